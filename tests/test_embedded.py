@@ -1,0 +1,46 @@
+"""The private servers start, accept connections, survive kill -9 with their data, and restart."""
+
+import psycopg2
+import pymysql
+from sqlalchemy.engine import make_url
+
+
+def _pg_connect(url):
+    u = make_url(url)
+    return psycopg2.connect(host=u.host, port=u.port, user=u.username, dbname=u.database)
+
+
+def test_postgres_has_prepared_transactions_enabled(pg_server, pg_db):
+    conn = _pg_connect(pg_db())
+    with conn.cursor() as cur:
+        cur.execute("SHOW max_prepared_transactions")
+        assert int(cur.fetchone()[0]) >= 100
+    conn.close()
+
+
+def test_mariadb_is_at_least_10_5(maria_server, maria_db):
+    u = make_url(maria_db())
+    conn = pymysql.connect(host=u.host, port=u.port, user=u.username, database=u.database)
+    with conn.cursor() as cur:
+        cur.execute("SELECT VERSION()")
+        major, minor = (int(x) for x in cur.fetchone()[0].split(".")[:2])
+    conn.close()
+    assert (major, minor) >= (10, 5)
+
+
+def test_postgres_survives_kill_9_with_committed_data(pg_server, pg_db):
+    url = pg_db()
+    conn = _pg_connect(url)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute("CREATE TABLE t (x int)")
+        cur.execute("INSERT INTO t VALUES (42)")
+    conn.close()
+    pg_server.kill()
+    assert not pg_server.running()
+    pg_server.start()
+    conn = _pg_connect(url)
+    with conn.cursor() as cur:
+        cur.execute("SELECT x FROM t")
+        assert cur.fetchall() == [(42,)]
+    conn.close()
