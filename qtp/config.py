@@ -1,0 +1,63 @@
+"""``qtp.toml``: the node, its decision log, its resources.
+
+::
+
+    [node]
+    id = "orders-1"              # 1-31 characters: A-Z a-z 0-9 _ . -
+    log_dir = "recovery_logs"    # root of decision logs; this node's log is <log_dir>/<id>/
+    timeout = 60                 # seconds a transaction may run before it is prepared
+
+    [resources.app]
+    url = "postgresql://app@db1/app"
+
+    [resources.queue]
+    url = "mysql+pymysql://qtp@db2/queue"
+
+Relative ``log_dir`` paths are taken from the folder holding the file.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qtp.errors import ConfigurationError
+
+
+@dataclass
+class Config:
+    node_id: str
+    log_dir: Path
+    timeout: float = 60.0
+    resources: dict[str, str] = field(default_factory=dict)
+    path: Path | None = None
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigurationError(f"configuration file {path} not found; pass --config PATH") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigurationError(f"{path} is not valid TOML: {exc}") from exc
+    node = data.get("node")
+    if not isinstance(node, dict) or "id" not in node:
+        raise ConfigurationError(f"{path}: missing [node] table with an id (e.g. id = \"orders-1\")")
+    log_dir = Path(node.get("log_dir", "recovery_logs"))
+    if not log_dir.is_absolute():
+        log_dir = path.parent / log_dir
+    resources = {}
+    for name, table in (data.get("resources") or {}).items():
+        if not isinstance(table, dict) or not isinstance(table.get("url"), str):
+            raise ConfigurationError(f"{path}: [resources.{name}] needs a url = \"...\" entry")
+        resources[name] = table["url"]
+    unknown = set(data) - {"node", "resources", "channels"}
+    if unknown:
+        raise ConfigurationError(f"{path}: unknown table(s) {sorted(unknown)}; expected [node] and [resources.NAME]")
+    try:
+        timeout = float(node.get("timeout", 60.0))
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{path}: [node] timeout must be a number of seconds") from None
+    return Config(node_id=str(node["id"]), log_dir=log_dir, timeout=timeout, resources=resources, path=path)

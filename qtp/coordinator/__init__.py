@@ -1,0 +1,10 @@
+"""The transaction manager: two-phase commit with presumed abort over a group-committed decision log."""
+
+from qtp.coordinator._log import DecisionLog, LogState, lock_holder, read_log
+from qtp.coordinator._manager import TransactionManager, current, install, installed, transaction
+from qtp.coordinator._transaction import TRANSITIONS, Outcome, State, Transaction
+
+__all__ = [
+    "TRANSITIONS", "DecisionLog", "LogState", "Outcome", "State", "Transaction", "TransactionManager", "current",
+    "install", "installed", "lock_holder", "read_log", "transaction",
+]

@@ -1,0 +1,241 @@
+"""The transaction manager: resources by name, the decision log, the thread-local current transaction."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import tenacity
+from sqlalchemy.engine import Engine
+
+from qtp.coordinator._log import DecisionLog
+from qtp.coordinator._transaction import State, Transaction, run_each
+from qtp.errors import (
+    ConfigurationError,
+    NestedTransactionError,
+    NoTransactionError,
+    QtpError,
+)
+from qtp.xa import Resource, Xid, resource_for
+from qtp.xa._xid import MAX_NODE_ID, validate_name
+
+log = logging.getLogger("qtp.coordinator")
+
+DEFAULT_LOG_DIR = "recovery_logs"
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class TransactionManager:
+    """Runs global transactions over named resources with a durable decision log.
+
+    ``log_dir`` is the root of decision logs; this node's log lives in ``<log_dir>/<node_id>/`` and is
+    locked while the manager is open.
+    """
+
+    def __init__(self, node_id: str, log_dir: str | Path = DEFAULT_LOG_DIR, timeout: float = DEFAULT_TIMEOUT_S,
+                 phase_two_retry_s: float = 30.0, max_workers: int = 32):
+        self.node_id = validate_name("node id", node_id, MAX_NODE_ID)
+        if timeout <= 0:
+            raise ConfigurationError(f"transaction timeout must be positive, got {timeout!r}")
+        self.log_dir = Path(log_dir) / node_id
+        self.timeout = float(timeout)
+        self.phase_two_retry_s = phase_two_retry_s
+        self.log = DecisionLog(self.log_dir)
+        self._resources: dict[str, Resource] = {}
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="qtp-branch")
+        self._retries: queue.Queue = queue.Queue()
+        self._retrier: threading.Thread | None = None
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, path: str | Path) -> "TransactionManager":
+        """Build a manager from ``qtp.toml``: ``[node] id, log_dir`` and ``[resources.NAME] url``."""
+        from qtp.config import load_config
+
+        config = load_config(path)
+        manager = cls(config.node_id, config.log_dir, timeout=config.timeout)
+        for name, url in config.resources.items():
+            manager.add_resource(name, url)
+        return manager
+
+    def __repr__(self) -> str:
+        return f"<TransactionManager {self.node_id} resources={sorted(self._resources)}>"
+
+    # ------------------------------------------------------------------ resources
+
+    def add_resource(self, name: str, target: str | Engine | Resource, **engine_kw: Any) -> Resource:
+        """Register a resource under ``name``: a URL, a SQLAlchemy engine, or a Resource.
+
+        A name whose database is already registered under another name becomes an alias of it: both
+        names then share one branch in every transaction.
+        """
+        validate_name("resource name", name)
+        if name in self._resources:
+            raise ConfigurationError(f"resource {name!r} is already registered on node {self.node_id!r}")
+        resource = resource_for(name, target, self.node_id, **engine_kw)
+        for existing in self._resources.values():
+            if existing.identity == resource.identity and existing is not resource:
+                if not isinstance(target, Resource):
+                    resource.close()
+                resource = existing
+                break
+        self._resources[name] = resource
+        return resource
+
+    def resource(self, name: str) -> Resource:
+        try:
+            return self._resources[name]
+        except KeyError:
+            known = ", ".join(sorted(self._resources)) or "none"
+            raise ConfigurationError(
+                f"unknown resource {name!r} on node {self.node_id!r} (registered: {known}); add it with "
+                f"manager.add_resource({name!r}, url) or a [resources.{name}] table in qtp.toml"
+            ) from None
+
+    @property
+    def resources(self) -> dict[str, Resource]:
+        return dict(self._resources)
+
+    def distinct_resources(self) -> list[Resource]:
+        """One Resource per database (aliases folded)."""
+        seen: dict[int, Resource] = {}
+        for resource in self._resources.values():
+            seen.setdefault(id(resource), resource)
+        return list(seen.values())
+
+    # ------------------------------------------------------------------ transactions
+
+    def begin(self, timeout: float | None = None) -> Transaction:
+        """Start a transaction on this thread (prefer ``with manager.transaction()``)."""
+        if self._closed:
+            raise ConfigurationError(f"transaction manager {self.node_id!r} is closed")
+        current = getattr(self._local, "tx", None)
+        if current is not None and current.outcome is None:
+            raise NestedTransactionError(
+                f"this thread already runs transaction {current.xid}; qtp transactions do not nest: do the work "
+                "inside the existing `with qtp.transaction()` block"
+            )
+        tx = Transaction(self, timeout if timeout is not None else self.timeout)
+        self._local.tx = tx
+        return tx
+
+    def current(self) -> Transaction | None:
+        tx = getattr(self._local, "tx", None)
+        return tx if tx is not None and tx.outcome is None else None
+
+    @contextlib.contextmanager
+    def transaction(self, timeout: float | None = None) -> Iterator[Transaction]:
+        """Commit on normal exit, roll back on an exception (which is re-raised)."""
+        tx = self.begin(timeout)
+        try:
+            yield tx
+        except BaseException:
+            tx.rollback()
+            raise
+        else:
+            if tx.state is State.ACTIVE:
+                tx.commit()
+        finally:
+            self._local.tx = None
+
+    # ------------------------------------------------------------------ parallel branches
+
+    def fan_out(self, fn: Callable[[int, Any], Any], items: list[Any]) -> list[Any]:
+        """Apply ``fn(index, item)`` to every item at once: one round trip per phase, not one per branch.
+        The first item runs on the calling thread. Results are values or the exceptions raised."""
+        if len(items) <= 1:
+            return run_each(fn, items)
+        futures = [self._pool.submit(run_each, lambda i, it, k=k: fn(k, it), [item])
+                   for k, item in enumerate(items[1:], start=1)]
+        first = run_each(fn, items[:1])
+        return first + [f.result()[0] for f in futures]
+
+    # ------------------------------------------------------------------ phase-2 retries
+
+    def retry_phase_two(self, gtrid: str, branches: list[tuple[Resource, Xid]]) -> None:
+        """Keep committing ``branches`` of a decided transaction in the background; recovery takes over
+        from whatever is still pending when the retries give up."""
+        self._retries.put((gtrid, branches))
+        if self._retrier is None or not self._retrier.is_alive():
+            self._retrier = threading.Thread(target=self._retry_loop, name="qtp-phase2-retry", daemon=True)
+            self._retrier.start()
+
+    def _retry_loop(self) -> None:
+        while True:
+            item = self._retries.get()
+            if item is None:
+                return
+            gtrid, branches = item
+            try:
+                for resource, xid in branches:
+                    for attempt in tenacity.Retrying(
+                        stop=tenacity.stop_after_delay(self.phase_two_retry_s),
+                        wait=tenacity.wait_exponential(multiplier=0.05, max=2.0),
+                        retry=tenacity.retry_if_exception_type(QtpError), reraise=True,
+                    ):
+                        with attempt:
+                            resource.commit(xid)
+                self.log.log_end(gtrid)
+                log.warning("transaction %s: pending branches committed by the background retry", gtrid)
+            except Exception as exc:  # the retrier must survive anything; recovery finishes the work
+                log.critical("transaction %s: phase-2 retries gave up (%s); run `qtp recover` or let the "
+                             "periodic recovery finish it", gtrid, exc)
+
+    def wait_retries(self) -> None:
+        """Block until the background phase-2 retries queued so far have finished (for tests, shutdown)."""
+        if self._retrier is not None and self._retrier.is_alive():
+            self._retries.put(None)  # processed after everything queued before it
+            self._retrier.join()
+
+    def close(self) -> None:
+        """Stop background work, flush and unlock the log, release pooled connections."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait_retries()
+        self._pool.shutdown(wait=True)
+        self.log.close()
+        for resource in self.distinct_resources():
+            resource.close()
+
+    def __enter__(self) -> "TransactionManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------- the installed manager
+
+_installed: TransactionManager | None = None
+
+
+def install(manager: TransactionManager | None) -> None:
+    """Make ``manager`` the one ``qtp.transaction()`` uses (``None`` uninstalls)."""
+    global _installed
+    _installed = manager
+
+
+def installed() -> TransactionManager:
+    if _installed is None:
+        raise NoTransactionError("no transaction manager installed: call qtp.install(TransactionManager(...)) "
+                                 "before `with qtp.transaction()`")
+    return _installed
+
+
+def transaction(timeout: float | None = None) -> contextlib.AbstractContextManager[Transaction]:
+    """``with qtp.transaction() as tx:`` on the installed manager."""
+    return installed().transaction(timeout)
+
+
+def current() -> Transaction | None:
+    """The transaction running on this thread, if any."""
+    return installed().current()
+
+

@@ -1,0 +1,117 @@
+"""MySQL / MariaDB resource: ``XA START / END / PREPARE / COMMIT / ROLLBACK / RECOVER`` through pymysql,
+which has no TPC API. All MySQL-specific SQL of qtp lives here.
+
+MariaDB before 10.5 rolls back a prepared XA branch when its client disconnects, which breaks 2PC; qtp
+refuses such servers. ``XA RECOVER`` is decoded with ``FORMAT='SQL'`` on MariaDB and ``CONVERT XID`` on
+MySQL, so binary xids survive the round trip.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any
+
+import pymysql
+
+from qtp.errors import ConfigurationError, PrepareRefusedError, QtpError
+from qtp.xa._sql import SqlResource
+from qtp.xa._xid import Xid
+
+_DISCONNECT_CODES = {2003, 2006, 2013, 2055, 1927, 4031}
+_XAER_NOTA = 1397  # unknown xid: already resolved
+_MIN_MARIADB = (10, 5)
+
+
+def _execute(raw: Any, sql: str) -> list[tuple]:
+    with raw.cursor() as cur:
+        cur.execute(sql)
+        return list(cur.fetchall())
+
+
+class MySQLResource(SqlResource):
+    family = "mysql"
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self._flavour: str | None = None
+
+    def _is_disconnect(self, exc: BaseException) -> bool:
+        if isinstance(exc, pymysql.err.InterfaceError):
+            return True
+        return isinstance(exc, pymysql.err.OperationalError) and exc.args and exc.args[0] in _DISCONNECT_CODES
+
+    def _translate(self, exc: Exception, action: str, xid: Xid | None) -> QtpError:
+        original = getattr(exc, "orig", None) or exc
+        if action == "prepare" and isinstance(original, pymysql.err.MySQLError) and not self._is_disconnect(original):
+            return PrepareRefusedError(
+                f"resource {self.name!r} ({self.display_url}) refused XA PREPARE for {xid}: {original}"
+            )
+        return super()._translate(exc, action, xid)
+
+    def _check_server(self, raw: Any) -> None:
+        if self._flavour is not None:
+            return
+        version = _execute(raw, "SELECT VERSION()")[0][0]
+        numbers = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
+        if "MariaDB" in version:
+            if numbers < _MIN_MARIADB:
+                raise ConfigurationError(
+                    f"{self.display_url} runs MariaDB {version}; qtp needs 10.5 or newer (older versions roll "
+                    "back a prepared XA transaction when its client disconnects)"
+                )
+            self._flavour = "mariadb"
+        else:
+            self._flavour = "mysql"
+
+    # ------------------------------------------------------------------ the protocol steps
+
+    def _xa_start(self, raw: Any, xid: Xid) -> None:
+        self._check_server(raw)
+        _execute(raw, f"XA START {xid.to_mysql()}")
+
+    def _xa_prepare(self, raw: Any, xid: Xid) -> None:
+        _execute(raw, f"XA END {xid.to_mysql()}")
+        _execute(raw, f"XA PREPARE {xid.to_mysql()}")
+
+    def _xa_commit(self, raw: Any, xid: Xid) -> None:
+        _execute(raw, f"XA COMMIT {xid.to_mysql()}")
+
+    def _xa_commit_one_phase(self, raw: Any, xid: Xid) -> None:
+        _execute(raw, f"XA END {xid.to_mysql()}")
+        _execute(raw, f"XA COMMIT {xid.to_mysql()} ONE PHASE")
+
+    def _xa_end_read_only(self, raw: Any, xid: Xid) -> None:
+        self._xa_rollback(raw, xid)
+
+    def _xa_rollback(self, raw: Any, xid: Xid) -> None:
+        for statement in (f"XA END {xid.to_mysql()}", f"XA ROLLBACK {xid.to_mysql()}"):
+            try:
+                _execute(raw, statement)
+            except pymysql.err.OperationalError as exc:
+                # XAER_RMFAIL (1399): END after END or after PREPARE; XAER_NOTA: gone already.
+                if exc.args[0] not in (1399, _XAER_NOTA):
+                    raise
+
+    def _xa_resolve(self, raw: Any, xid: Xid, commit: bool) -> None:
+        verb = "COMMIT" if commit else "ROLLBACK"
+        try:
+            _execute(raw, f"XA {verb} {xid.to_mysql()}")
+        except pymysql.err.MySQLError as exc:
+            if not (exc.args and exc.args[0] == _XAER_NOTA):
+                raise
+
+    def _xa_recover(self, raw: Any) -> list[tuple[Xid, datetime | None]]:
+        self._check_server(raw)
+        if self._flavour == "mariadb":
+            rows = _execute(raw, "XA RECOVER FORMAT='SQL'")
+            found = [Xid.from_mysql(_text(row[3])) for row in rows]
+        else:
+            rows = _execute(raw, "XA RECOVER CONVERT XID")
+            found = [Xid.from_mysql_parts(row[0], row[1], row[2], bytes.fromhex(_text(row[3])[2:]))
+                     for row in rows]
+        return [(x, None) for x in found if x is not None]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)

@@ -1,0 +1,103 @@
+"""The resource contract: what the transaction manager may ask of a database, written once.
+
+Every resource (PostgreSQL, MySQL/MariaDB, in-memory) implements :class:`Resource`, and one contract test
+suite (tests/test_xa_contract.py) runs against all of them.
+
+Call order for one branch (``xid``) of a global transaction::
+
+    begin(xid) ── connection(xid)* ──┬── commit(xid, one_phase=True)                  (only writer)
+                                     ├── prepare(xid) ──┬── YES ── commit(xid) | rollback(xid)
+                                     │                  └── READ_ONLY (branch is finished)
+                                     └── rollback(xid)
+
+and, after a crash, on any process of the same node::
+
+    recover() -> [xid, ...] ── commit(xid) | rollback(xid) ── (forget(xid) after a heuristic outcome)
+
+A branch is identified by its xid alone, so the phase-2 calls and recovery work whether or not the
+connection that did the work is still open.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from typing import Any
+
+from qtp.xa._xid import Xid
+
+
+class Vote(enum.Enum):
+    """A branch's answer to prepare. A "no" is not a value: prepare raises instead."""
+
+    YES = "yes"              # prepared: durable, holding its locks, waiting for the decision
+    READ_ONLY = "read-only"  # wrote nothing: already finished, takes no part in phase 2 or the log
+
+
+class Resource(abc.ABC):
+    """One database (or in-memory store) that can take part in two-phase commit.
+
+    ``name`` is the branch qualifier of every xid this resource creates. ``identity`` names the underlying
+    database: two resources with equal identity are the same database, and the manager gives them one
+    branch per transaction (so a co-located store costs one local commit).
+    """
+
+    name: str
+    identity: tuple
+
+    @abc.abstractmethod
+    def begin(self, xid: Xid) -> None:
+        """Start branch ``xid``: take a connection and open the branch on it.
+
+        May raise ResourceUnavailableError (cannot connect; nothing was started) or ResourceError.
+        """
+
+    @abc.abstractmethod
+    def connection(self, xid: Xid) -> Any:
+        """The application's handle on branch ``xid`` (a SQLAlchemy Connection for SQL resources).
+
+        The handle refuses to work once the branch is prepared or finished (ConnectionClosedError).
+        """
+
+    @abc.abstractmethod
+    def prepare(self, xid: Xid) -> Vote:
+        """The vote. Make the branch's work durable and promise to commit it on request.
+
+        Returns YES, or READ_ONLY when the branch wrote nothing (the branch is then finished and released).
+        Raising means "no": the branch is rolled back (or will be by ``rollback``), and the error says why
+        (PrepareRefusedError when the database cannot prepare at all, with the setting to change).
+        """
+
+    @abc.abstractmethod
+    def commit(self, xid: Xid, one_phase: bool = False) -> None:
+        """Commit the branch.
+
+        ``one_phase=True``: the branch was never prepared; commit it directly (may raise; then nothing
+        was committed, and the caller rolls back). Otherwise the branch is prepared; commit it. This
+        is idempotent: an xid the database no longer knows was already resolved, and returns quietly.
+        After a durable decision this must never be turned into a rollback; it may raise
+        ResourceUnavailableError, and the caller retries later.
+        """
+
+    @abc.abstractmethod
+    def rollback(self, xid: Xid) -> None:
+        """Roll the branch back, whether active, failed or prepared. Idempotent like ``commit``."""
+
+    @abc.abstractmethod
+    def recover(self) -> list[Xid]:
+        """The prepared (in-doubt) branches of this resource's node and of qtp's format id only.
+
+        Other managers' xids and hand-made prepared transactions are never listed, so never touched.
+        """
+
+    @abc.abstractmethod
+    def forget(self, xid: Xid) -> None:
+        """Drop what the resource remembers of a heuristically completed branch (a no-op where the
+        database keeps nothing)."""
+
+    def close(self) -> None:
+        """Release pooled connections. Prepared branches stay prepared."""
+
+    # Statistics the tests and benchmarks read: how many of each call reached the database.
+    def counters(self) -> dict[str, int]:
+        return dict(getattr(self, "_counters", {}))

@@ -1,0 +1,327 @@
+"""What the PostgreSQL and MySQL resources share: URLs, engines, the branch connection, error translation.
+
+A SQL branch is one pooled DBAPI connection wrapped in a SQLAlchemy ``Connection`` (``BranchConnection``)
+that the application uses with ordinary SQLAlchemy. The adapter underneath drives the two-phase protocol
+on the same DBAPI connection; the wrapper refuses work once the branch has been handed to the manager.
+Statements are watched (``before_cursor_execute``) so that a branch that ran nothing, or only reads,
+can vote read-only without asking the database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from datetime import datetime
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import sqlalchemy
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine.url import URL
+
+from qtp.errors import (
+    ConfigurationError,
+    ConnectionClosedError,
+    QtpError,
+    ResourceError,
+    ResourceUnavailableError,
+    TransactionStateError,
+)
+from qtp.xa._resource import Resource, Vote
+from qtp.xa._xid import Xid, validate_name
+
+_DRIVERS = {"postgresql": "psycopg2", "mysql": "pymysql", "mariadb": "pymysql"}
+_READ_ONLY = re.compile(r"^\s*(select|show|explain|values|set\s+local\s+statement_timeout)\b", re.I)
+
+
+def normalize_url(url: str | URL) -> URL:
+    """qtp's drivers are psycopg2 and pymysql: ``postgresql://`` means psycopg2 even where SQLAlchemy 2.1
+    would pick psycopg 3, and ``mysql://`` / ``mariadb://`` mean pymysql."""
+    try:
+        parsed = make_url(url)
+    except sqlalchemy.exc.ArgumentError as exc:
+        raise ConfigurationError(f"not a database URL: {url!r} ({exc})") from exc
+    backend = parsed.get_backend_name()
+    if backend == "postgres":
+        backend = "postgresql"
+    if backend not in _DRIVERS:
+        raise ConfigurationError(
+            f"unsupported database in {parsed.render_as_string(hide_password=True)}: qtp supports "
+            "postgresql:// (psycopg2) and mysql:// or mariadb:// (pymysql)"
+        )
+    driver = parsed.get_driver_name() if "+" in parsed.drivername else _DRIVERS[backend]
+    if driver != _DRIVERS[backend]:
+        raise ConfigurationError(
+            f"driver {driver!r} in {parsed.render_as_string(hide_password=True)} is not supported: qtp "
+            f"drives {backend} through {_DRIVERS[backend]} (use {backend}+{_DRIVERS[backend]}://)"
+        )
+    return parsed.set(drivername=f"{backend}+{driver}")
+
+
+def identity_of(url: URL) -> tuple:
+    """Two URLs with the same identity reach the same database (and share one branch)."""
+    family = "postgresql" if url.get_backend_name() == "postgresql" else "mysql"
+    host = url.host or "localhost"
+    if host in ("127.0.0.1", "::1"):
+        host = "localhost"
+    return (family, host, url.port, url.database, url.username)
+
+
+class BranchConnection(Connection):
+    """A SQLAlchemy Connection bound to one branch; unusable once the branch leaves the application."""
+
+    _qtp_open: bool = False
+    _qtp_xid: Xid | None = None
+
+    def _qtp_check(self) -> None:
+        if not self._qtp_open:
+            raise ConnectionClosedError(
+                f"this connection belonged to transaction {self._qtp_xid} which has ended; take a new one "
+                "with tx.connection(name) inside a `with qtp.transaction()` block"
+            )
+
+    def execute(self, *args: Any, **kw: Any) -> Any:
+        self._qtp_check()
+        return super().execute(*args, **kw)
+
+    def exec_driver_sql(self, *args: Any, **kw: Any) -> Any:
+        self._qtp_check()
+        return super().exec_driver_sql(*args, **kw)
+
+    def scalar(self, *args: Any, **kw: Any) -> Any:
+        self._qtp_check()
+        return super().scalar(*args, **kw)
+
+    def scalars(self, *args: Any, **kw: Any) -> Any:
+        self._qtp_check()
+        return super().scalars(*args, **kw)
+
+    def commit(self) -> None:
+        raise TransactionStateError(
+            "do not commit a qtp branch connection yourself: leave the `with qtp.transaction()` block and "
+            "the manager commits every branch atomically"
+        )
+
+    def rollback(self) -> None:
+        raise TransactionStateError(
+            "do not roll back a qtp branch connection yourself: raise an exception inside the "
+            "`with qtp.transaction()` block (or call tx.rollback()) and every branch is rolled back"
+        )
+
+
+@dataclass
+class SqlBranch:
+    xid: Xid
+    conn: BranchConnection
+    raw: Any  # the DBAPI connection
+    statements: int = 0
+    writes: int = 0
+    prepared: bool = False
+
+
+class SqlResource(Resource):
+    """Common machinery; subclasses supply the database's two-phase statements (``_xa_*``)."""
+
+    family: str = ""
+
+    def __init__(self, name: str, url_or_engine: str | URL | Engine, node_id: str, **engine_kw: Any):
+        self.name = validate_name("resource name", name)
+        self.node_id = node_id
+        if isinstance(url_or_engine, Engine):
+            self.url = normalize_url(url_or_engine.url)
+            if url_or_engine.url.get_driver_name() != self.url.get_driver_name():
+                raise ConfigurationError(
+                    f"engine for resource {name!r} uses driver {url_or_engine.url.get_driver_name()!r}; "
+                    f"qtp needs {self.url.get_driver_name()} (create it from {self.url.drivername}://...)"
+                )
+            self.engine = url_or_engine
+        else:
+            self.url = normalize_url(url_or_engine)
+            options = {"pool_size": 32, "max_overflow": 64, "pool_reset_on_return": None}
+            options.update(engine_kw)
+            self.engine = sqlalchemy.create_engine(self.url, **options)
+        self.identity = identity_of(self.url)
+        self.display_url = self.url.render_as_string(hide_password=True)
+        self._branches: dict[Xid, SqlBranch] = {}
+        self._lock = threading.Lock()
+        self._counters: Counter = Counter()
+        event.listen(self.engine, "before_cursor_execute", self._watch)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} {self.display_url}>"
+
+    # ------------------------------------------------------------------ statement watching
+
+    @staticmethod
+    def _watch(conn: Connection, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+        branch = conn.info.get("qtp_branch")
+        if branch is not None:
+            branch.statements += 1
+            if not _READ_ONLY.match(statement):
+                branch.writes += 1
+
+    def _count(self, what: str) -> None:
+        self._counters[what] += 1
+
+    # ------------------------------------------------------------------ errors
+
+    @contextlib.contextmanager
+    def translate(self, action: str, xid: Xid | None = None) -> Iterator[None]:
+        """Translate driver and SQLAlchemy errors into qtp's tree, naming the resource and the action."""
+        try:
+            yield
+        except QtpError:
+            raise
+        except Exception as exc:  # the driver boundary: every driver error is translated here
+            raise self._translate(exc, action, xid) from exc
+
+    def _translate(self, exc: Exception, action: str, xid: Xid | None) -> QtpError:
+        original = getattr(exc, "orig", None) or exc
+        where = f"{action} on resource {self.name!r} ({self.display_url})" + (f" for {xid}" if xid else "")
+        if self._is_disconnect(original):
+            return ResourceUnavailableError(f"{where}: database unreachable: {original}")
+        return ResourceError(f"{where} failed: {original}")
+
+    def _is_disconnect(self, exc: BaseException) -> bool:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ branch life
+
+    def begin(self, xid: Xid) -> None:
+        with self.translate("begin", xid):
+            conn = BranchConnection(self.engine)
+            raw = conn.connection.dbapi_connection
+            try:
+                self._xa_start(raw, xid)
+            except BaseException:
+                conn.invalidate()
+                conn.close()
+                raise
+        branch = SqlBranch(xid, conn, raw)
+        conn.info["qtp_branch"] = branch
+        conn._qtp_open, conn._qtp_xid = True, xid
+        conn.begin()
+        with self._lock:
+            self._branches[xid] = branch
+        self._count("begin")
+
+    def connection(self, xid: Xid) -> BranchConnection:
+        return self._branch(xid, "connection").conn
+
+    def _branch(self, xid: Xid, action: str) -> SqlBranch:
+        branch = self._branches.get(xid)
+        if branch is None:
+            raise TransactionStateError(f"{action}: resource {self.name!r} has no active branch {xid}")
+        return branch
+
+    def prepare(self, xid: Xid) -> Vote:
+        branch = self._branch(xid, "prepare")
+        branch.conn._qtp_open = False
+        if branch.statements == 0 or (branch.writes == 0 and self._wrote_nothing(branch)):
+            self._finish(branch, self._xa_end_read_only, "read-only")
+            return Vote.READ_ONLY
+        with self.translate("prepare", xid):
+            self._xa_prepare(branch.raw, xid)
+        branch.prepared = True
+        self._count("prepare")
+        return Vote.YES
+
+    def _wrote_nothing(self, branch: SqlBranch) -> bool:
+        """For a branch that ran only reads: ask the database whether it wrote (default: assume it did)."""
+        return False
+
+    def commit(self, xid: Xid, one_phase: bool = False) -> None:
+        branch = self._branches.get(xid)
+        if branch is None:
+            if one_phase:
+                raise TransactionStateError(f"one-phase commit: resource {self.name!r} has no branch {xid}")
+            self._resolve(xid, commit=True)
+            return
+        branch.conn._qtp_open = False
+        if one_phase and branch.statements == 0:
+            self._finish(branch, self._xa_end_read_only, "read-only")
+            return
+        if one_phase:
+            self._finish(branch, self._xa_commit_one_phase, "commit_one_phase")
+        else:
+            self._finish(branch, self._xa_commit, "commit")
+
+    def rollback(self, xid: Xid) -> None:
+        branch = self._branches.get(xid)
+        if branch is None:
+            self._resolve(xid, commit=False)
+            return
+        branch.conn._qtp_open = False
+        self._finish(branch, self._xa_rollback, "rollback")
+
+    def _finish(self, branch: SqlBranch, step: Any, what: str) -> None:
+        """Run the final protocol step on the branch's own connection, then give the connection back.
+
+        If the connection broke, it is discarded; a prepared branch then stays in doubt in the
+        database and the caller (phase-2 retry or recovery) resolves it by xid on a fresh connection.
+        """
+        with self._lock:
+            self._branches.pop(branch.xid, None)
+        branch.conn.info.pop("qtp_branch", None)
+        try:
+            with self.translate(what, branch.xid):
+                step(branch.raw, branch.xid)
+            self._count(what)
+        except ResourceError:
+            branch.conn.invalidate()
+            raise
+        finally:
+            branch.conn.close()
+
+    def _resolve(self, xid: Xid, commit: bool) -> None:
+        """Commit or roll back a prepared branch by xid on a fresh connection (phase-2 retry, recovery)."""
+        what = "commit" if commit else "rollback"
+        with self.translate(f"{what} (by xid)", xid), self.engine.connect() as conn:
+            raw = conn.connection.dbapi_connection
+            self._xa_resolve(raw, xid, commit)
+        self._count(f"{what}_by_xid")
+
+    def recover(self) -> list[Xid]:
+        return [xid for xid, _ in self.in_doubt()]
+
+    def in_doubt(self) -> list[tuple[Xid, datetime | None]]:
+        """``recover()`` with the time each branch was prepared, where the database records it."""
+        with self.translate("recover"), self.engine.connect() as conn:
+            found = self._xa_recover(conn.connection.dbapi_connection)
+        self._count("recover")
+        return [(xid, at) for xid, at in found if xid.belongs_to(self.node_id)]
+
+    def forget(self, xid: Xid) -> None:
+        """PostgreSQL and MariaDB keep no heuristic-completion record: nothing to forget."""
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ------------------------------------------------------------------ database-specific steps
+
+    def _xa_start(self, raw: Any, xid: Xid) -> None:
+        raise NotImplementedError
+
+    def _xa_prepare(self, raw: Any, xid: Xid) -> None:
+        raise NotImplementedError
+
+    def _xa_commit(self, raw: Any, xid: Xid) -> None:
+        raise NotImplementedError
+
+    def _xa_commit_one_phase(self, raw: Any, xid: Xid) -> None:
+        raise NotImplementedError
+
+    def _xa_end_read_only(self, raw: Any, xid: Xid) -> None:
+        raise NotImplementedError
+
+    def _xa_rollback(self, raw: Any, xid: Xid) -> None:
+        raise NotImplementedError
+
+    def _xa_resolve(self, raw: Any, xid: Xid, commit: bool) -> None:
+        raise NotImplementedError
+
+    def _xa_recover(self, raw: Any) -> list[tuple[Xid, datetime | None]]:
+        raise NotImplementedError
