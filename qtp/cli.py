@@ -15,6 +15,7 @@ from qtp.errors import QtpError
 # One line per subcommand module; a module registers one or more subcommands.
 COMMAND_MODULES = [
     "qtp.db_cli",
+    "qtp.reconcile.cli",
 ]
 
 

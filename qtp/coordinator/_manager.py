@@ -52,6 +52,8 @@ class TransactionManager:
         self._retries: queue.Queue = queue.Queue()
         self._retrier: threading.Thread | None = None
         self._closed = False
+        self._in_flight: set[str] = set()  # gtrids begun and not finished (recovery leaves them alone)
+        self._in_flight_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, path: str | Path) -> "TransactionManager":
@@ -122,8 +124,20 @@ class TransactionManager:
                 "inside the existing `with qtp.transaction()` block"
             )
         tx = Transaction(self, timeout if timeout is not None else self.timeout)
+        with self._in_flight_lock:
+            self._in_flight.add(tx.xid)
         self._local.tx = tx
         return tx
+
+    def finished(self, tx: Transaction) -> None:
+        """Called by a transaction when it reaches an outcome."""
+        with self._in_flight_lock:
+            self._in_flight.discard(tx.xid)
+
+    def in_flight(self) -> set[str]:
+        """Global ids of the transactions this manager is running now (recovery must not touch them)."""
+        with self._in_flight_lock:
+            return set(self._in_flight)
 
     def current(self) -> Transaction | None:
         tx = getattr(self._local, "tx", None)

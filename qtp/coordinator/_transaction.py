@@ -95,6 +95,16 @@ class Transaction:
         return {State.COMMITTED: Outcome.COMMITTED, State.COMMITTED_PENDING: Outcome.COMMITTED_PENDING,
                 State.ROLLED_BACK: Outcome.ROLLED_BACK}.get(self.state)
 
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @state.setter
+    def state(self, new: State) -> None:
+        self._state = new
+        if not TRANSITIONS[new]:
+            self.manager.finished(self)
+
     def _move(self, new: State) -> None:
         if new not in TRANSITIONS[self.state]:
             raise TransactionStateError(f"transaction {self.xid} cannot go from {self.state.value} to {new.value}")

@@ -24,7 +24,7 @@ def resource_for(name: str, target: str | Engine | Resource, node_id: str, **eng
     if isinstance(target, Resource):
         return target
     if isinstance(target, str) and target.startswith("memory://"):
-        return MemoryResource(name, node_id)
+        return MemoryResource(name, node_id, MemoryStore.named(target[len("memory://"):] or name))
     url = normalize_url(target.url if isinstance(target, Engine) else target)
     cls = PostgresResource if url.get_backend_name() == "postgresql" else MySQLResource
     return cls(name, target, node_id, **engine_kw)

@@ -23,7 +23,16 @@ _DELETED = object()
 
 
 class MemoryStore:
-    """The durable side of an in-memory resource: committed data, prepared branches, key locks."""
+    """The durable side of an in-memory resource: committed data, prepared branches, key locks.
+
+    ``MemoryStore.named("x")`` returns the process's store called "x" (what ``memory://x`` URLs reach).
+    """
+
+    _named: dict[str, "MemoryStore"] = {}
+
+    @classmethod
+    def named(cls, name: str) -> "MemoryStore":
+        return cls._named.setdefault(name, cls())
 
     def __init__(self) -> None:
         self.data: dict[Any, Any] = {}

@@ -1,0 +1,351 @@
+"""The reconciliation job: probe both sides, read them over JDBC, classify, collect the bounded summary.
+
+One pass over the data answers everything in the report: the classified keys are reduced to one row per
+(class, multiplicity) carrying the counts, the per-column mismatch counts and at most ``sample_size`` samples
+(see ``_classify``), and only that reduction reaches the driver. Writing the per-key anomalies to Parquet or
+to a table is a second pass, run only when asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from qtp.errors import ConfigurationError, QtpError
+from qtp.reconcile import _classify as C
+from qtp.reconcile._sources import (
+    ProbedTable,
+    TableSpec,
+    find_jdbc_jars,
+    hash_predicates,
+    jdbc_properties,
+    jdbc_url,
+    parse_url,
+    probe,
+    quote_table,
+    read_options,
+    backend_of,
+)
+
+Log = Callable[[str], None]
+
+
+class ReconcileError(QtpError):
+    """The Spark job failed while reading or classifying; the message carries Spark's first line."""
+
+    retryable = True
+
+
+@dataclass
+class ReconcileResult:
+    """What one run found. ``counts`` has every class of ``CLASSES``; the rest details the anomalies."""
+
+    counts: dict[str, int]
+    duplicate_histogram: dict[int, int]
+    mismatched_columns: dict[str, int]
+    in_doubt_applied: int
+    samples: dict[str, list[dict]]
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def exactly_once(self) -> bool:
+        return all(self.counts[name] == 0 for name in C.VIOLATIONS)
+
+    @property
+    def verdict(self) -> str:
+        return "exactly-once" if self.exactly_once else "violated"
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.exactly_once else 1
+
+    def to_dict(self) -> dict:
+        return {
+            "verdict": self.verdict,
+            "counts": dict(self.counts),
+            "duplicate_histogram": {str(k): v for k, v in sorted(self.duplicate_histogram.items())},
+            "mismatched_columns": dict(self.mismatched_columns),
+            "in_doubt_applied": self.in_doubt_applied,
+            "samples": self.samples,
+            "metadata": self.metadata,
+        }
+
+
+# ------------------------------------------------------------------------------------------------ Spark
+
+
+def launched_by_spark_submit() -> bool:
+    """True when this Python process was started by ``spark-submit`` (which then owns master and jars)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def spark_session(master: str | None = None, conf: Mapping[str, str] | None = None,
+                  backends: set[str] = frozenset({"postgresql", "mysql"})) -> SparkSession:
+    """A SparkSession with the JDBC driver jars on its class path (``local[*]`` unless told otherwise)."""
+    jars = find_jdbc_jars(set(backends))
+    settings = {
+        "spark.sql.shuffle.partitions": "16",
+        "spark.ui.showConsoleProgress": "true",
+        "spark.sql.session.timeZone": "UTC",
+        **dict(conf or {}),
+    }
+    settings["spark.jars"] = ",".join(filter(None, [settings.get("spark.jars", ""), *jars]))
+    builder = SparkSession.builder.appName("qtp-reconcile")
+    if master is not None or not launched_by_spark_submit():
+        builder = builder.master(master or "local[*]")
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark
+
+
+@contextmanager
+def spark_errors(what: str) -> Iterator[None]:
+    """Translate Spark and Py4J failures into ReconcileError naming the step."""
+    try:
+        yield
+    except QtpError:
+        raise
+    except Exception as exc:
+        module = type(exc).__module__
+        if not (module.startswith("pyspark") or module.startswith("py4j")):
+            raise
+        first = _root_cause(exc)
+        if "ClassNotFoundException" in str(exc) or "No suitable driver" in str(exc):
+            raise ConfigurationError(
+                f"{what}: the JDBC driver is not on Spark's class path ({first.strip()}); pass the session "
+                "from qtp.reconcile.spark_session(), or --jars with the driver jar to spark-submit"
+            ) from exc
+        raise ReconcileError(f"{what} failed: {first.strip()}") from exc
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost Java cause of a Py4J error (its own first line says only which call failed)."""
+    java = getattr(exc, "java_exception", None)
+    if java is not None:
+        while java.getCause() is not None:
+            java = java.getCause()
+        return str(java.toString())
+    return next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+# ------------------------------------------------------------------------------------------------ types
+
+_FAMILIES = (
+    ("integer", (T.ByteType, T.ShortType, T.IntegerType, T.LongType)),
+    ("number", (T.FloatType, T.DoubleType, T.DecimalType)),
+    ("string", (T.StringType, T.VarcharType, T.CharType)),
+    ("time", (T.DateType, T.TimestampType, T.TimestampNTZType)),
+    ("boolean", (T.BooleanType,)),
+    ("binary", (T.BinaryType,)),
+)
+
+
+def type_family(data_type: T.DataType) -> str:
+    if isinstance(data_type, T.DecimalType) and data_type.scale == 0:
+        return "integer"
+    for name, kinds in _FAMILIES:
+        if isinstance(data_type, kinds):
+            return name
+    return data_type.simpleString()
+
+
+def _comparable(client: T.DataType, server: T.DataType) -> bool:
+    families = {type_family(client), type_family(server)}
+    return len(families) == 1 or families == {"integer", "number"}
+
+
+def key_type(client: T.DataType, server: T.DataType, client_name: str, server_name: str) -> T.DataType:
+    """The common type both keys are cast to; keys of different families are a ConfigurationError."""
+    fam_c, fam_s = type_family(client), type_family(server)
+    if fam_c != fam_s:
+        raise ConfigurationError(
+            f"key types differ: client key {client_name!r} is {client.simpleString()} ({fam_c}), server key "
+            f"{server_name!r} is {server.simpleString()} ({fam_s}); the keys must hold the same kind of value "
+            "(both integers or both strings)"
+        )
+    if fam_c == "integer":
+        decimal = any(isinstance(t, T.DecimalType) for t in (client, server))
+        return T.DecimalType(38, 0) if decimal else T.LongType()
+    return client if client == server else (T.StringType() if fam_c == "string" else client)
+
+
+# ------------------------------------------------------------------------------------------------ the job
+
+
+def _read(spark: SparkSession, probed: ProbedTable, partitions: int, fetchsize: int) -> DataFrame:
+    spec = probed.spec
+    wanted = [spec.key, *spec.columns, *([spec.status_column] if spec.status_column else [])]
+    if probed.key_is_integer or partitions < 2:
+        frame = spark.read.format("jdbc").options(**read_options(probed, partitions, fetchsize)).load()
+    else:
+        url = parse_url(spec.url, "")
+        frame = spark.read.jdbc(
+            jdbc_url(url), quote_table(spec.table, probed.backend),
+            predicates=hash_predicates(probed, partitions), properties=jdbc_properties(url, fetchsize),
+        )
+    return frame.select(*dict.fromkeys(wanted))
+
+
+def _column_pairs(client: TableSpec, server: TableSpec) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    server_columns = server.columns or client.columns
+    if len(server_columns) != len(client.columns):
+        raise ConfigurationError(
+            f"the column mapping pairs {len(client.columns)} client column(s) with {len(server_columns)} "
+            "server column(s); give one server column per client column"
+        )
+    names = list(client.columns)
+    return list(zip(names, client.columns)), list(zip(names, server_columns))
+
+
+def _aligned(client_df: DataFrame, server_df: DataFrame, client: TableSpec, server: TableSpec,
+             pairs: list[tuple[str, str]], server_pairs: list[tuple[str, str]]) -> tuple[DataFrame, DataFrame]:
+    """Cast both keys to one type and each server payload column to its client column's type."""
+    c_types = {f.name: f.dataType for f in client_df.schema.fields}
+    s_types = {f.name: f.dataType for f in server_df.schema.fields}
+    common = key_type(c_types[client.key], s_types[server.key], client.key, server.key)
+    casts_s = {server.key: F.col(server.key).cast(common)}
+    for (name, c_col), (_, s_col) in zip(pairs, server_pairs):
+        ct, st = c_types[c_col], s_types[s_col]
+        if not _comparable(ct, st):
+            raise ConfigurationError(
+                f"payload column {name!r}: client {c_col!r} is {ct.simpleString()} but server {s_col!r} is "
+                f"{st.simpleString()}; map columns that hold the same kind of value"
+            )
+        if ct != st:
+            casts_s[s_col] = F.col(s_col).cast(ct)
+    return client_df.withColumn(client.key, F.col(client.key).cast(common)), server_df.withColumns(casts_s)
+
+
+def _stderr_log(message: str) -> None:
+    print(f"[qtp reconcile {datetime.now().strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def reconcile(
+    client: TableSpec,
+    server: TableSpec,
+    *,
+    spark: SparkSession | None = None,
+    master: str | None = None,
+    spark_conf: Mapping[str, str] | None = None,
+    partitions: int | None = None,
+    fetchsize: int = 10_000,
+    sample_size: int = 10,
+    anomalies_parquet: str | None = None,
+    anomalies_table: tuple[str, str] | None = None,
+    log: Log | None = _stderr_log,
+) -> ReconcileResult:
+    """Reconcile ``client`` against ``server`` and return the classes, samples and run metadata.
+
+    ``server.columns`` may be empty when the server's payload columns have the client's names. ``spark``
+    reuses a session (it must have the JDBC jars, as ``spark_session()`` arranges); otherwise one is made
+    with ``master`` (default ``local[*]``) and ``spark_conf``. ``partitions`` is the number of JDBC reads
+    per side (default: twice Spark's parallelism). ``anomalies_parquet`` (a path) and ``anomalies_table``
+    (SQLAlchemy URL, table) receive the per-key anomalies, overwriting what is there.
+    """
+    say = log or (lambda message: None)
+    started = time.time()
+    pairs, server_pairs = _column_pairs(client, server)
+    names = [name for name, _ in pairs]
+    server = TableSpec(server.url, server.table, server.key, tuple(col for _, col in server_pairs))
+
+    say(f"checking client {client.table} and server {server.table}")
+    probed_c, probed_s = probe(client, "client"), probe(server, "server")
+    if spark is None:
+        spark = spark_session(master, spark_conf, {probed_c.backend, probed_s.backend})
+    parts = partitions or max(2, 2 * spark.sparkContext.defaultParallelism)
+    for side, probed in (("client", probed_c), ("server", probed_s)):
+        bounds = probed.key_bounds
+        span = f"key in [{bounds.lower}, {bounds.upper}]" if bounds else "key hashed" if not probed.key_is_integer else "empty"
+        say(f"{side}: {probed.display_url} table {probed.spec.table}, {span}, {parts} partitions, fetchsize {fetchsize}")
+
+    with spark_errors("reading the tables over JDBC"):
+        client_df = _read(spark, probed_c, parts, fetchsize)
+        server_df = _read(spark, probed_s, parts, fetchsize)
+    client_df, server_df = _aligned(client_df, server_df, client, server, pairs, server_pairs)
+    classified = C.classify(
+        C.client_side(client_df, client.key, pairs, client.status_column),
+        C.server_side(server_df, server.key, server_pairs),
+        names,
+    )
+
+    if anomalies_parquet or anomalies_table:
+        with spark_errors("writing the anomalies"):
+            _write_anomalies(C.anomalies(classified, names), anomalies_parquet, anomalies_table, say)
+
+    say("classifying every key (one pass over both tables)")
+    with spark_errors("classifying"):
+        groups = C.summarize(classified, names, sample_size).collect()
+    result = _result(groups, names, sample_size)
+    finished = time.time()
+    result.metadata = {
+        "client": _side_meta(probed_c, result.metadata.pop("client_rows")),
+        "server": _side_meta(probed_s, result.metadata.pop("server_rows")),
+        "columns": [{"name": n, "client": c, "server": s} for (n, c), (_, s) in zip(pairs, server_pairs)],
+        "started_at": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
+        "finished_at": datetime.fromtimestamp(finished, timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(finished - started, 3),
+        "spark": {"master": spark.sparkContext.master, "version": spark.version, "partitions_per_side": parts,
+                  "fetchsize": fetchsize},
+        "sample_size": sample_size,
+    }
+    say(f"done in {finished - started:.1f}s: {result.verdict}")
+    return result
+
+
+def _side_meta(probed: ProbedTable, rows: int) -> dict:
+    spec = probed.spec
+    return {"url": probed.display_url, "table": spec.table, "key": spec.key, "columns": list(spec.columns),
+            "status_column": spec.status_column, "rows": rows}
+
+
+def _write_anomalies(frame: DataFrame, parquet: str | None, table: tuple[str, str] | None, say: Log) -> None:
+    if parquet:
+        say(f"writing the per-key anomalies to {parquet}")
+        frame.write.mode("overwrite").parquet(parquet)
+    if table:
+        url_text, name = table
+        url = parse_url(url_text, "anomalies")
+        backend_of(url)
+        say(f"writing the per-key anomalies to {url.render_as_string(hide_password=True)} table {name}")
+        frame.write.mode("overwrite").jdbc(jdbc_url(url), quote_table(name, backend_of(url)),
+                                           properties=jdbc_properties(url, 10_000))
+
+
+def _result(groups: Sequence, names: Sequence[str], sample_size: int) -> ReconcileResult:
+    """Fold the collected (class, copies) groups into counts, histogram, per-column counts and samples."""
+    counts = dict.fromkeys(C.CLASSES, 0)
+    histogram: dict[int, int] = {}
+    per_column = dict.fromkeys(names, 0)
+    samples: dict[str, list[dict]] = {name: [] for name in C.CLASSES if name != C.OK}
+    in_doubt_applied = client_rows = server_rows = 0
+    for row in groups:
+        cls, copies, keys = row["class"], int(row["copies"]), int(row["keys"])
+        counts[cls] += keys
+        server_rows += keys * copies
+        client_rows += 0 if cls == C.UNEXPECTED else keys
+        if cls == C.DUPLICATED:
+            histogram[copies] = histogram.get(copies, 0) + keys
+        if cls == C.MISMATCHED:
+            for i, name in enumerate(names):
+                per_column[name] += int(row[f"differs_{i}"])
+        if cls == C.IN_DOUBT and copies > 0:
+            in_doubt_applied += keys
+        if cls in samples:
+            samples[cls].extend(sample.asDict(recursive=True) for sample in row["samples"])
+    for cls, rows in samples.items():
+        rows.sort(key=lambda sample: (sample["key"] is None, sample["key"]))
+        del rows[sample_size:]
+    result = ReconcileResult(counts, histogram, per_column, in_doubt_applied, samples)
+    result.metadata = {"client_rows": client_rows, "server_rows": server_rows}
+    return result
