@@ -5,6 +5,8 @@ need=()
 command -v mariadbd >/dev/null 2>&1 || [ -x /usr/sbin/mariadbd ] || need+=(mariadb-server)
 command -v mariadb-install-db >/dev/null 2>&1 || need+=(mariadb-server)
 command -v java >/dev/null 2>&1 || need+=(openjdk-17-jre-headless)
+ls /usr/share/java/postgresql*.jar >/dev/null 2>&1 || need+=(libpostgresql-jdbc-java)
+ls /usr/share/java/mariadb-java-client*.jar >/dev/null 2>&1 || need+=(libmariadb-java)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "qtp needs these Debian packages: ${need[*]}; run: sudo apt-get install ${need[*]}" >&2

@@ -138,7 +138,7 @@ def probe(spec: TableSpec, side: str) -> ProbedTable:
     url = parse_url(spec.url, side)
     backend = backend_of(url)
     shown = url.render_as_string(hide_password=True)
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    engine = sa.create_engine(_with_installed_driver(url), poolclass=sa.pool.NullPool)
     try:
         with engine.connect() as conn:
             table = _reflect(conn, spec, side, shown)
@@ -157,6 +157,13 @@ def probe(spec: TableSpec, side: str) -> ProbedTable:
         engine.dispose()
     return ProbedTable(spec=spec, backend=backend, display_url=shown, key_bounds=bounds,
                        key_is_integer=key_is_integer)
+
+
+def _with_installed_driver(url: URL) -> URL:
+    """Bare ``postgresql://`` / ``mysql://`` URLs use the drivers qtp installs (psycopg2, PyMySQL)."""
+    if "+" in url.drivername:
+        return url
+    return url.set(drivername="postgresql+psycopg2" if backend_of(url) == "postgresql" else "mysql+pymysql")
 
 
 def _reflect(conn: sa.Connection, spec: TableSpec, side: str, shown: str) -> sa.Table:
