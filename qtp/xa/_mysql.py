@@ -14,7 +14,7 @@ from typing import Any
 
 import pymysql
 
-from qtp.errors import ConfigurationError, PrepareRefusedError, QtpError
+from qtp.errors import ConfigurationError, PrepareRefusedError, QtpError, ResourceUnavailableError
 from qtp.xa._sql import SqlResource
 from qtp.xa._xid import Xid
 
@@ -32,8 +32,11 @@ def _execute(raw: Any, sql: str) -> list[tuple]:
 class MySQLResource(SqlResource):
     family = "mysql"
 
-    def __init__(self, *args: Any, **kw: Any):
-        super().__init__(*args, **kw)
+    def __init__(self, name: str, target: Any, node_id: str, **engine_kw: Any):
+        # Autocommit outside XA: XA START opens the branch explicitly, and statements run for recovery
+        # (XA COMMIT / ROLLBACK / RECOVER by xid) must not sit inside an implicit local transaction.
+        engine_kw.setdefault("connect_args", {}).setdefault("autocommit", True)
+        super().__init__(name, target, node_id, **engine_kw)
         self._flavour: str | None = None
 
     def _is_disconnect(self, exc: BaseException) -> bool:
@@ -100,6 +103,12 @@ class MySQLResource(SqlResource):
         except pymysql.err.MySQLError as exc:
             if not (exc.args and exc.args[0] == _XAER_NOTA):
                 raise
+            # Unknown to this session: resolved already, or still attached to a live session (a connection
+            # the server has not yet seen close). Only the first is success.
+            if any(x == xid for x, _ in self._xa_recover(raw)):
+                raise ResourceUnavailableError(
+                    f"branch {xid} on {self.display_url} is still attached to another session; retry later"
+                ) from exc
 
     def _xa_recover(self, raw: Any) -> list[tuple[Xid, datetime | None]]:
         self._check_server(raw)

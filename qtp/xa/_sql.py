@@ -292,12 +292,21 @@ class SqlResource(Resource):
         with self.translate("recover"), self.engine.connect() as conn:
             found = self._xa_recover(conn.connection.dbapi_connection)
         self._count("recover")
-        return [(xid, at) for xid, at in found if xid.belongs_to(self.node_id)]
+        # MariaDB lists the whole server's branches: keep this node's, and this resource's (bqual = name).
+        return [(xid, at) for xid, at in found if xid.belongs_to(self.node_id) and xid.branch == self.name]
 
     def forget(self, xid: Xid) -> None:
         """PostgreSQL and MariaDB keep no heuristic-completion record: nothing to forget."""
 
     def close(self) -> None:
+        """Close every connection, the branches' included: active branches are rolled back by the database;
+        prepared branches stay prepared, detached from any session, for commit or rollback by xid."""
+        with self._lock:
+            branches, self._branches = list(self._branches.values()), {}
+        for branch in branches:
+            branch.conn._qtp_open = False
+            branch.conn.invalidate()
+            branch.conn.close()
         self.engine.dispose()
 
     # ------------------------------------------------------------------ database-specific steps
