@@ -84,6 +84,15 @@ def unknown_sequence(identifier: str) -> SendFault:
     return SendFault(SequenceFault(FaultCode.UNKNOWN_SEQUENCE, identifier, f"no sequence {identifier} here"))
 
 
+def build_ack(r: DestinationRecord, final: bool) -> SequenceAcknowledgement | None:
+    final = final and r.version is RMVersion.WSRM11
+    if r.received:
+        return SequenceAcknowledgement(r.identifier, ranges=r.received, final=final)
+    if r.version is RMVersion.WSRM11:
+        return SequenceAcknowledgement(r.identifier, none=True, final=final)
+    return None
+
+
 class DestinationSequence(Machine[DestinationRecord]):
     """RM Destination machine. ``DestinationSequence(DestinationRecord(identifier, version))`` starts in NEW."""
 
@@ -102,20 +111,11 @@ class DestinationSequence(Machine[DestinationRecord]):
 
     def acknowledgement(self, final: bool = False) -> SequenceAcknowledgement | None:
         """The acknowledgement for what was received; None when WS-RM 1.0 has no way to say 'nothing yet'."""
-        r = self._record
-        final = final and r.version is RMVersion.WSRM11
-        if r.received:
-            return SequenceAcknowledgement(r.identifier, ranges=r.received, final=final)
-        if r.version is RMVersion.WSRM11:
-            return SequenceAcknowledgement(r.identifier, none=True, final=final)
-        return None
+        return build_ack(self._record, final)
 
-    def _ack(self, r: DestinationRecord, final: bool = False) -> list[Action]:
-        previous, self._record = self._record, r
-        try:
-            ack = self.acknowledgement(final)
-        finally:
-            self._record = previous
+    @staticmethod
+    def _ack(r: DestinationRecord, final: bool = False) -> list[Action]:
+        ack = build_ack(r, final)
         return [] if ack is None else [SendAcknowledgement(ack)]
 
     def _fault(self, code: FaultCode, reason: str) -> SendFault:

@@ -78,7 +78,7 @@ SOURCE_11: Table = {
         "CreateSequenceResponded": _t(S.ACTIVE, S.DRAINING, S.CLOSING),
         "SendRequested": _t(S.CREATING),
         "CompleteRequested": _t(S.CREATING),
-        "TimerFired": _t(S.CREATING, S.TERMINATED),
+        "TimerFired": _t(S.CREATING),
         "FaultReceived": _t(S.FAILED),
     },
     S.ACTIVE: {
@@ -129,7 +129,7 @@ SOURCE_10: Table = {
         "CreateSequenceResponded": _t(S.ACTIVE, S.DRAINING),
         "SendRequested": _t(S.CREATING),
         "CompleteRequested": _t(S.CREATING),
-        "TimerFired": _t(S.CREATING, S.TERMINATED),
+        "TimerFired": _t(S.CREATING),
         "FaultReceived": _t(S.FAILED),
     },
     S.ACTIVE: {

@@ -1,0 +1,19 @@
+"""SOAP 1.1/1.2 envelopes for WS-RM 1.0 (with WS-Addressing 2004/08 or 2005/08) and WS-RM 1.1, with lxml.
+
+``encode(envelope) -> bytes`` is strict; ``decode(data) -> Envelope`` is hardened and tolerant and raises
+``InvalidMessage`` (a ``qtp.errors.WsrmFault`` carrying the wire fault code) for input it cannot use.
+``Validator`` checks emitted envelopes against the official schemas, loaded from local files.
+"""
+
+from qtp.wsrm.codec._decode import DEFAULT_MAX_BYTES, DEFAULT_MAX_DEPTH, decode, parse_duration
+from qtp.wsrm.codec._encode import default_action, encode, format_duration
+from qtp.wsrm.codec._envelope import Addressing, EncodingError, Envelope, InvalidMessage, SoapFault
+from qtp.wsrm.codec._names import COMBINATIONS, RM_NS, SOAP_NS, WSA_NS, SoapVersion, WsaVersion, action, anonymous
+from qtp.wsrm.codec._schemas import SCHEMA_FILES, Validator
+
+__all__ = [
+    "COMBINATIONS", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_DEPTH", "RM_NS", "SCHEMA_FILES", "SOAP_NS", "WSA_NS",
+    "Addressing", "EncodingError", "Envelope", "InvalidMessage", "SoapFault", "SoapVersion", "Validator",
+    "WsaVersion", "action", "anonymous", "decode", "default_action", "encode", "format_duration",
+    "parse_duration",
+]

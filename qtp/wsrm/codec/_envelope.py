@@ -1,0 +1,73 @@
+"""The codec's value objects: ``Envelope``, its addressing headers, and the errors of encoding and decoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qtp.errors import QtpError, WsrmFault
+from qtp.wsrm.protocol import (
+    AckRequested,
+    RMBody,
+    RMVersion,
+    Sequence,
+    SequenceAcknowledgement,
+    SequenceFault,
+)
+from qtp.wsrm.codec._names import SoapVersion, WsaVersion
+
+
+class InvalidMessage(WsrmFault):
+    """Input that is not a usable WS-RM/SOAP envelope.
+
+    ``code`` is the wire fault code to answer with: a WS-RM subcode where the spec names one
+    (``InvalidAcknowledgement``, ``MessageNumberRollover``), else the SOAP code ``Sender`` (``Client`` in
+    SOAP 1.1), or ``MustUnderstand`` / ``VersionMismatch``. Retrying the same bytes cannot help.
+    """
+
+    retryable = False
+
+
+class EncodingError(QtpError, ValueError):
+    """qtp was asked to emit an envelope its version cannot express; a bug in the caller, never sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Addressing:
+    """WS-Addressing message headers; EPR-valued ones (reply_to, from_, fault_to) by their Address only."""
+
+    action: str | None = None
+    to: str | None = None
+    message_id: str | None = None
+    relates_to: str | None = None
+    reply_to: str | None = None
+    from_: str | None = None
+    fault_to: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SoapFault:
+    """A SOAP fault that is not a WS-RM fault (its code and subcode as ``{namespace}local`` names)."""
+
+    code: str
+    subcode: str | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One SOAP message: versions, addressing, WS-RM headers, and a body.
+
+    The body is a WS-RM protocol message, a ``SequenceFault`` (sent as a SOAP fault), a foreign
+    ``SoapFault`` (decode only), or None, in which case ``payload`` (one serialised XML element) is the
+    application's body, if any. Acknowledgements and AckRequested may ride on any message.
+    """
+
+    soap: SoapVersion
+    rm: RMVersion | None
+    wsa: WsaVersion | None
+    addressing: Addressing = field(default_factory=Addressing)
+    sequence: Sequence | None = None
+    acks: tuple[SequenceAcknowledgement, ...] = ()
+    ack_requests: tuple[AckRequested, ...] = ()
+    body: RMBody | SequenceFault | SoapFault | None = None
+    payload: bytes | None = None

@@ -1,0 +1,64 @@
+"""Namespaces, element names and action URIs of every SOAP / WS-Addressing / WS-RM version qtp speaks."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from qtp.wsrm.protocol import RMVersion
+
+
+class SoapVersion(str, Enum):
+    SOAP11 = "1.1"
+    SOAP12 = "1.2"
+
+
+class WsaVersion(str, Enum):
+    """WS-Addressing: the 2004/08 member submission (WS-RM 1.0 peers) or the W3C 2005/08 recommendation."""
+
+    WSA200408 = "2004/08"
+    WSA200508 = "2005/08"
+
+
+SOAP_NS = {
+    SoapVersion.SOAP11: "http://schemas.xmlsoap.org/soap/envelope/",
+    SoapVersion.SOAP12: "http://www.w3.org/2003/05/soap-envelope",
+}
+SOAP_BY_NS = {ns: version for version, ns in SOAP_NS.items()}
+MUST_UNDERSTAND_TRUE = {SoapVersion.SOAP11: "1", SoapVersion.SOAP12: "true"}
+
+WSA_NS = {
+    WsaVersion.WSA200408: "http://schemas.xmlsoap.org/ws/2004/08/addressing",
+    WsaVersion.WSA200508: "http://www.w3.org/2005/08/addressing",
+}
+WSA_BY_NS = {ns: version for version, ns in WSA_NS.items()}
+WSA_FAULT_ACTION = {
+    WsaVersion.WSA200408: "http://schemas.xmlsoap.org/ws/2004/08/addressing/fault",
+    WsaVersion.WSA200508: "http://www.w3.org/2005/08/addressing/soap/fault",
+}
+
+RM_NS = {
+    RMVersion.WSRM10: "http://schemas.xmlsoap.org/ws/2005/02/rm",
+    RMVersion.WSRM11: "http://docs.oasis-open.org/ws-rx/wsrm/200702",
+}
+RM_BY_NS = {ns: version for version, ns in RM_NS.items()}
+
+# The combinations peers use: WS-RM 1.0 with either addressing (Sandesha2, CXF), WS-RM 1.1 with W3C only.
+COMBINATIONS = (
+    (RMVersion.WSRM10, WsaVersion.WSA200408),
+    (RMVersion.WSRM10, WsaVersion.WSA200508),
+    (RMVersion.WSRM11, WsaVersion.WSA200508),
+)
+
+PREFIX = {"soap": "S", "wsa": "wsa", "wsrm": "wsrm"}
+XML_LANG = "{http://www.w3.org/XML/1998/namespace}lang"
+
+
+def action(rm: RMVersion, name: str) -> str:
+    """The WS-Addressing Action of a WS-RM message (``name``: CreateSequence, SequenceAcknowledgement, ...)."""
+    return f"{RM_NS[rm]}/{name}"
+
+
+def anonymous(wsa: WsaVersion) -> str:
+    if wsa is WsaVersion.WSA200408:
+        return WSA_NS[wsa] + "/role/anonymous"
+    return WSA_NS[wsa] + "/anonymous"
