@@ -38,6 +38,7 @@ import threading
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from qtp.errors import LogCorruptError, LogError, LogLockedError
 
@@ -141,8 +142,10 @@ def _apply(state: LogState, body: bytes, path: Path) -> None:
 class DecisionLog:
     """The live, locked log of one node. ``log_commit`` is forced (group commit); ``log_end`` is not."""
 
-    def __init__(self, directory: Path | str, segment_bytes: int = 8 * 1024 * 1024):
+    def __init__(self, directory: Path | str, segment_bytes: int = 8 * 1024 * 1024,
+                 sync: Callable[[int], None] = os.fdatasync):
         self.directory = Path(directory)
+        self._sync = sync
         self.directory.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes
         self._lock_fd = _acquire_lock(self.directory)
@@ -224,7 +227,7 @@ class DecisionLog:
         try:
             data = b"".join(batch)
             os.write(self._fd, data)
-            os.fdatasync(self._fd)
+            self._sync(self._fd)
             self._size += len(data)
             if self._size > self.segment_bytes:
                 self._checkpoint()

@@ -150,7 +150,7 @@ class Transaction:
             if not hasattr(conn, "execute"):
                 raise ConfigurationError(f"resource {name!r} is not a SQL database; use tx.connection({name!r})")
             session_kw.setdefault("expire_on_commit", False)
-            session = Session(bind=conn, join_transaction_mode="conservative_savepoint", **session_kw)
+            session = Session(bind=conn, join_transaction_mode="create_savepoint", **session_kw)
             self._sessions[name] = session
         return session
 
@@ -166,8 +166,8 @@ class Transaction:
             self.rollback()
             raise RollbackError(f"transaction {self.xid} rolled back: flushing a session failed: {exc}") from exc
         self._move(State.PREPARING)
-        branches = list(self._branches.values())
         self._close_sessions()
+        branches = self._drop_idle(list(self._branches.values()))
         if len(branches) <= 1:
             self._commit_one_phase(branches)
             return
@@ -177,6 +177,19 @@ class Transaction:
             return
         self._decide(prepared)
         self._phase_two(prepared)
+
+    def _drop_idle(self, branches: list[tuple[Resource, Xid]]) -> list[tuple[Resource, Xid]]:
+        """End the branches that did no work (read-only, no round trip); return the others."""
+        busy = []
+        for resource, xid in branches:
+            if resource.may_have_written(xid):
+                busy.append((resource, xid))
+            else:
+                try:
+                    resource.prepare(xid)
+                except BaseException as exc:
+                    self._abort(exc, f"ending idle branch {xid.branch} failed")
+        return busy
 
     def _commit_one_phase(self, branches: list[tuple[Resource, Xid]]) -> None:
         if branches:

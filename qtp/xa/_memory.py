@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from qtp.errors import ConnectionClosedError, ResourceError, TransactionStateError
 from qtp.xa._resource import Resource, Vote
@@ -98,14 +98,18 @@ class MemoryResource(Resource):
 
     # ------------------------------------------------------------------ fault injection
 
-    def inject(self, step: str, exc: BaseException) -> None:
-        """Make the next call of ``step`` (begin, prepare, commit, rollback, recover) raise ``exc``."""
-        self._faults.setdefault(step, []).append(exc)
+    def inject(self, step: str, fault: BaseException | Callable[[], None]) -> None:
+        """At the next call of ``step`` (begin, prepare, commit, rollback, recover) raise ``fault``, or, when
+        it is a function, call it first (to block on a barrier, say)."""
+        self._faults.setdefault(step, []).append(fault)
 
     def _maybe_fail(self, step: str) -> None:
         pending = self._faults.get(step)
         if pending:
-            raise pending.pop(0)
+            fault = pending.pop(0)
+            if isinstance(fault, BaseException):
+                raise fault
+            fault()
 
     # ------------------------------------------------------------------ the contract
 
@@ -132,6 +136,10 @@ class MemoryResource(Resource):
         with self.store.mutex:
             for key in [k for k, holder in self.store.locks.items() if holder == xid]:
                 del self.store.locks[key]
+
+    def may_have_written(self, xid: Xid) -> bool:
+        branch = self._branches.get(xid)
+        return branch is None or bool(branch.writes)
 
     def prepare(self, xid: Xid) -> Vote:
         branch = self._branches.pop(xid, None)

@@ -60,6 +60,14 @@ class Resource(abc.ABC):
         """
 
     @abc.abstractmethod
+    def may_have_written(self, xid: Xid) -> bool:
+        """False only when branch ``xid`` certainly did no work (known without asking the database).
+
+        The manager uses it before phase 1: branches that did nothing are ended read-only at once, and when
+        a single branch is left it is committed in one phase.
+        """
+
+    @abc.abstractmethod
     def prepare(self, xid: Xid) -> Vote:
         """The vote. Make the branch's work durable and promise to commit it on request.
 

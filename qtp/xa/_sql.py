@@ -34,7 +34,7 @@ from qtp.xa._resource import Resource, Vote
 from qtp.xa._xid import Xid, validate_name
 
 _DRIVERS = {"postgresql": "psycopg2", "mysql": "pymysql", "mariadb": "pymysql"}
-_READ_ONLY = re.compile(r"^\s*(select|show|explain|values|set\s+local\s+statement_timeout)\b", re.I)
+_READ_ONLY = re.compile(r"^\s*(select|show|explain|values|savepoint|release|rollback\s+to)\b", re.I)
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -216,6 +216,9 @@ class SqlResource(Resource):
         if branch is None:
             raise TransactionStateError(f"{action}: resource {self.name!r} has no active branch {xid}")
         return branch
+
+    def may_have_written(self, xid: Xid) -> bool:
+        return self._branch(xid, "may_have_written").statements > 0
 
     def prepare(self, xid: Xid) -> Vote:
         branch = self._branch(xid, "prepare")
