@@ -142,7 +142,11 @@ class Transaction:
         return resource.connection(xid)
 
     def session(self, name: str, **session_kw: Any) -> Session:
-        """An ORM ``Session`` bound to the branch of ``name``; flushed before the vote, closed at the end."""
+        """An ORM ``Session`` bound to the branch of ``name``; committed into the branch before the vote.
+
+        The session works in a savepoint of the branch: ``session.commit()`` makes its work part of the global
+        transaction, ``session.rollback()`` undoes only the session's work since then.
+        """
         self._check_active(f"open a session on {name!r}")
         session = self._sessions.get(name)
         if session is None:
@@ -161,7 +165,7 @@ class Transaction:
         self._check_active("commit")
         try:
             for session in self._sessions.values():
-                session.flush()
+                session.commit()  # flushes and releases the session's savepoint; the branch stays open
         except BaseException as exc:
             self.rollback()
             raise RollbackError(f"transaction {self.xid} rolled back: flushing a session failed: {exc}") from exc

@@ -1,0 +1,369 @@
+"""The transaction manager over real PostgreSQL and MariaDB: every branch combination, the optimisations
+(each checked by counting what reached the database), sessions, and the error paths."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import sqlalchemy
+from sqlalchemy import Integer, String, text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+import qtp
+from qtp.coordinator import Outcome, read_log
+from qtp.embedded import EmbeddedPostgres
+from qtp.errors import (
+    ConfigurationError,
+    ConnectionClosedError,
+    NestedTransactionError,
+    NoTransactionError,
+    PrepareRefusedError,
+    RollbackError,
+    TransactionStateError,
+    TransactionTimeoutError,
+)
+from qtp.xa import MemoryResource
+
+BALANCE = 1000
+
+
+def make_accounts(url: str) -> sqlalchemy.Engine:
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE accounts (id int PRIMARY KEY, balance int NOT NULL)"))
+        conn.execute(text("INSERT INTO accounts VALUES (1, :b), (2, :b)"), {"b": BALANCE})
+    return engine
+
+
+def balances(engine: sqlalchemy.Engine) -> dict[int, int]:
+    with engine.connect() as conn:
+        return dict(conn.execute(text("SELECT id, balance FROM accounts ORDER BY id")).all())
+
+
+def prepared_left(engine: sqlalchemy.Engine) -> int:
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            return conn.execute(text("SELECT count(*) FROM pg_prepared_xacts")).scalar()
+        return len(conn.execute(text("XA RECOVER")).all())
+
+
+@pytest.fixture
+def tm(tmp_path):
+    manager = qtp.TransactionManager(node_id="test-node", log_dir=tmp_path / "logs")
+    qtp.install(manager)
+    yield manager
+    qtp.install(None)
+    manager.close()
+
+
+@pytest.fixture(params=["pg+pg", "pg+mariadb", "mariadb+mariadb"])
+def pair(request, pg_db, maria_db):
+    left, right = request.param.split("+")
+    make = {"pg": pg_db, "mariadb": maria_db}
+    return make_accounts(make[left]("a")), make_accounts(make[right]("b"))
+
+
+def sent(manager, name: str) -> dict[str, int]:
+    """What reached the database for resource ``name``, leaving out recovery's scans."""
+    return {k: v for k, v in manager.resource(name).counters().items() if not k.startswith("recover")}
+
+
+def transfer(tx, amount: int) -> None:
+    tx.connection("a").execute(text("UPDATE accounts SET balance = balance - :x WHERE id = 1"), {"x": amount})
+    tx.connection("b").execute(text("UPDATE accounts SET balance = balance + :x WHERE id = 1"), {"x": amount})
+
+
+def test_transfer_commits_on_both_databases(tm, pair):
+    a, b = pair
+    tm.add_resource("a", a.url)
+    tm.add_resource("b", b.url)
+    with qtp.transaction() as tx:
+        transfer(tx, 10)
+    assert tx.outcome is Outcome.COMMITTED
+    assert balances(a)[1] == BALANCE - 10 and balances(b)[1] == BALANCE + 10
+    counts_a, counts_b = sent(tm, "a"), sent(tm, "b")
+    assert counts_a["prepare"] == counts_b["prepare"] == 1
+    assert counts_a["commit"] == counts_b["commit"] == 1
+    assert tm.log.forced_records == 1
+    tm.log.flush()
+    assert read_log(tm.log_dir).open == {}  # the END record followed
+    assert prepared_left(a) == prepared_left(b) == 0
+
+
+def test_exception_rolls_back_both_databases(tm, pair):
+    a, b = pair
+    tm.add_resource("a", a.url)
+    tm.add_resource("b", b.url)
+    with pytest.raises(ZeroDivisionError):
+        with qtp.transaction() as tx:
+            transfer(tx, 10)
+            1 / 0
+    assert tx.outcome is Outcome.ROLLED_BACK
+    assert balances(a)[1] == BALANCE and balances(b)[1] == BALANCE
+    assert tm.log.forced_records == 0  # presumed abort: aborts are never logged
+    assert prepared_left(a) == prepared_left(b) == 0
+
+
+def test_no_vote_rolls_back_every_branch(tm, pair):
+    """A branch that fails at prepare (here: a deferred constraint on PostgreSQL, a deadlock-free duplicate on
+    MariaDB is checked at statement time, so a memory branch votes no instead) rolls back the others."""
+    a, b = pair
+    tm.add_resource("a", a.url)
+    tm.add_resource("b", b.url)
+    mem = tm.add_resource("m", MemoryResource("m", tm.node_id))
+    mem.inject("prepare", RuntimeError("disk full"))
+    with pytest.raises(RollbackError, match="a branch voted no: disk full"):
+        with qtp.transaction() as tx:
+            transfer(tx, 10)
+            tx.connection("m").put("k", 1)
+    assert balances(a)[1] == BALANCE and balances(b)[1] == BALANCE
+    assert prepared_left(a) == prepared_left(b) == 0
+    assert mem.store.data == {} and mem.store.prepared == {}
+
+
+def test_one_phase_commit_when_only_one_branch_wrote(tm, pg_db, maria_db):
+    a, b = make_accounts(pg_db("a")), make_accounts(maria_db("b"))
+    tm.add_resource("a", a.url)
+    tm.add_resource("b", b.url)
+    with qtp.transaction() as tx:
+        tx.connection("b")  # enlisted, did nothing
+        tx.connection("a").execute(text("UPDATE accounts SET balance = 1 WHERE id = 1"))
+    assert balances(a)[1] == 1
+    assert sent(tm, "a") == {"begin": 1, "commit_one_phase": 1}
+    assert sent(tm, "b") == {"begin": 1, "read-only": 1}
+    assert tm.log.fsyncs == 0
+
+
+def test_read_only_branches_leave_phase_two_and_the_log(tm, pg_db):
+    a, b, c = (make_accounts(pg_db(tag)) for tag in "abc")
+    for name, engine in zip("abc", (a, b, c)):
+        tm.add_resource(name, engine.url)
+    with qtp.transaction() as tx:
+        transfer(tx, 5)
+        assert tx.connection("c").execute(text("SELECT sum(balance) FROM accounts")).scalar() == 2 * BALANCE
+    counts_c = sent(tm, "c")
+    assert counts_c == {"begin": 1, "read-only": 1}  # asked once, never prepared, never committed
+    assert tm.log.forced_records == 1
+    with open(sorted(tm.log_dir.glob("segment-*"))[0], "rb") as f:
+        log_bytes = f.read()
+    assert b'"branches":["a","b"]' in log_bytes and b'"c"' not in log_bytes
+
+
+def test_two_names_on_one_database_share_a_branch(tm, pg_db):
+    url = pg_db("shared")
+    app = make_accounts(url)
+    with app.begin() as conn:
+        conn.execute(text("CREATE TABLE outbox (id serial PRIMARY KEY, body text)"))
+    tm.add_resource("app", url)
+    store = tm.add_resource("store", url.replace("127.0.0.1", "localhost"))
+    assert store is tm.resource("app")
+    with qtp.transaction() as tx:
+        tx.connection("app").execute(text("UPDATE accounts SET balance = balance - 1 WHERE id = 1"))
+        tx.connection("store").execute(text("INSERT INTO outbox (body) VALUES ('hello')"))
+        assert tx.connection("app") is tx.connection("store")
+    assert sent(tm, "app") == {"begin": 1, "commit_one_phase": 1}  # one local commit
+    assert tm.log.fsyncs == 0
+    with app.connect() as conn:
+        assert conn.execute(text("SELECT body FROM outbox")).scalars().all() == ["hello"]
+
+
+def test_prepare_and_commit_reach_all_branches_at_once(tm):
+    """Each branch's prepare (then commit) waits for the other on a barrier: done one after another, the
+    barrier would break and the transaction roll back."""
+    first = tm.add_resource("m1", MemoryResource("m1", tm.node_id))
+    second = tm.add_resource("m2", MemoryResource("m2", tm.node_id))
+    for step in ("prepare", "commit"):
+        barrier = threading.Barrier(2, timeout=5)
+        first.inject(step, barrier.wait)
+        second.inject(step, barrier.wait)
+    with qtp.transaction() as tx:
+        tx.connection("m1").put("x", 1)
+        tx.connection("m2").put("y", 2)
+    assert tx.outcome is Outcome.COMMITTED
+    assert first.store.data == {"x": 1} and second.store.data == {"y": 2}
+
+
+def test_phase_two_failure_is_committed_with_branches_pending(tm, caplog):
+    tm.phase_two_retry_s = 5
+    first = tm.add_resource("m1", MemoryResource("m1", tm.node_id))
+    second = tm.add_resource("m2", MemoryResource("m2", tm.node_id))
+    from qtp.errors import ResourceUnavailableError
+
+    second.inject("commit", ResourceUnavailableError("connection lost"))
+    with caplog.at_level(logging.CRITICAL, logger="qtp.coordinator"):
+        with qtp.transaction() as tx:
+            tx.connection("m1").put("x", 1)
+            tx.connection("m2").put("y", 2)
+    assert tx.outcome is Outcome.COMMITTED_PENDING
+    assert tx.pending == ["m2"]
+    assert any("could not commit yet" in r.message for r in caplog.records if r.levelno == logging.CRITICAL)
+    assert first.store.data == {"x": 1}
+    tm.wait_retries()  # the background retry finishes the commit; it is never turned into a rollback
+    assert second.store.data == {"y": 2} and second.store.prepared == {}
+    tm.log.flush()
+    assert read_log(tm.log_dir).open == {}
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Order(Base):
+    __tablename__ = "orders"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    item: Mapped[str] = mapped_column(String(40))
+
+
+def test_orm_session_is_bound_to_the_branch(tm, pg_db, maria_db):
+    pg, maria = pg_db("orm"), maria_db("orm")
+    for url in (pg, maria):
+        Base.metadata.create_all(sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool))
+    tm.add_resource("pg", pg)
+    tm.add_resource("maria", maria)
+    with qtp.transaction() as tx:
+        tx.session("pg").add(Order(id=1, item="book"))
+        tx.session("maria").add(Order(id=1, item="book"))
+        tx.session("pg").commit()  # joins the global transaction: nothing is committed yet
+    with pytest.raises(RuntimeError):
+        with qtp.transaction() as tx:
+            tx.session("pg").add(Order(id=2, item="pen"))
+            raise RuntimeError("changed my mind")
+    for url in (pg, maria):
+        with sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool).connect() as conn:
+            assert conn.execute(text("SELECT id, item FROM orders")).all() == [(1, "book")]
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_unknown_resource_name_is_named(tm, pg_db):
+    tm.add_resource("app", pg_db())
+    with pytest.raises(ConfigurationError, match=r"unknown resource 'ap' .*registered: app"):
+        with qtp.transaction() as tx:
+            tx.connection("ap")
+
+
+def test_enlisting_after_the_transaction_ended(tm, pg_db):
+    tm.add_resource("app", pg_db())
+    with qtp.transaction() as tx:
+        tx.connection("app").execute(text("SELECT 1"))
+    with pytest.raises(TransactionStateError, match="is committed"):
+        tx.connection("app")
+
+
+def test_connection_used_outside_its_transaction(tm, pg_db, maria_db):
+    tm.add_resource("pg", pg_db())
+    tm.add_resource("maria", maria_db())
+    with qtp.transaction() as tx:
+        kept = [tx.connection("pg"), tx.connection("maria")]
+    for conn in kept:
+        with pytest.raises(ConnectionClosedError, match="has ended"):
+            conn.execute(text("SELECT 1"))
+
+
+def test_committing_a_branch_connection_by_hand_is_refused(tm, pg_db):
+    tm.add_resource("app", pg_db())
+    with pytest.raises(TransactionStateError, match="do not commit"):
+        with qtp.transaction() as tx:
+            tx.connection("app").commit()
+
+
+def test_database_with_prepared_transactions_disabled(tm, tmp_path, pg_db):
+    server = EmbeddedPostgres(tmp_path / "no-2pc", max_prepared_transactions=0)
+    server.start()
+    try:
+        off, on = make_accounts(server.create_database("off")), make_accounts(pg_db("on"))
+        tm.add_resource("a", off.url)
+        tm.add_resource("b", on.url)
+        with pytest.raises(RollbackError) as caught:
+            with qtp.transaction() as tx:
+                transfer(tx, 10)
+        assert isinstance(caught.value.__cause__, PrepareRefusedError)
+        assert "set max_prepared_transactions" in str(caught.value)
+        assert balances(off)[1] == BALANCE and balances(on)[1] == BALANCE
+        assert prepared_left(on) == 0
+    finally:
+        tm.close()
+        server.destroy()
+
+
+def test_temporary_tables_cannot_be_prepared(tm, pg_db):
+    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
+    tm.add_resource("a", a.url)
+    tm.add_resource("b", b.url)
+    with pytest.raises(RollbackError, match="temporary tables") as caught:
+        with qtp.transaction() as tx:
+            transfer(tx, 10)
+            tx.connection("a").execute(text("CREATE TEMPORARY TABLE scratch (x int)"))
+    assert isinstance(caught.value.__cause__, PrepareRefusedError)
+    assert balances(a)[1] == BALANCE and balances(b)[1] == BALANCE
+    assert prepared_left(a) == prepared_left(b) == 0
+
+
+def test_nested_transaction_is_refused(tm):
+    tm.add_resource("m", "memory://nested")
+    with qtp.transaction():
+        with pytest.raises(NestedTransactionError, match="do not nest"):
+            with qtp.transaction():
+                pass
+
+
+def test_transaction_without_an_installed_manager():
+    qtp.install(None)
+    with pytest.raises(NoTransactionError, match=r"qtp.install"):
+        with qtp.transaction():
+            pass
+
+
+def test_transaction_past_its_timeout_is_rolled_back(tm, pg_db):
+    a = make_accounts(pg_db())
+    tm.add_resource("a", a.url)
+    with pytest.raises(TransactionTimeoutError, match="timeout"):
+        with qtp.transaction(timeout=30) as tx:
+            tx.connection("a").execute(text("UPDATE accounts SET balance = 0 WHERE id = 1"))
+            tx.deadline = time.monotonic() - 1  # as if 30 s had passed
+            tx.connection("a")
+    assert tx.outcome is Outcome.ROLLED_BACK
+    assert balances(a)[1] == BALANCE
+
+
+def test_commit_after_the_timeout_rolls_back(tm, pg_db):
+    a = make_accounts(pg_db())
+    tm.add_resource("a", a.url)
+    with pytest.raises(TransactionTimeoutError):
+        with qtp.transaction(timeout=30) as tx:
+            tx.connection("a").execute(text("UPDATE accounts SET balance = 0 WHERE id = 1"))
+            tx.deadline = time.monotonic() - 1
+    assert balances(a)[1] == BALANCE
+
+
+@pytest.mark.parametrize("url, message", [
+    ("sqlite:///x.db", "unsupported database"),
+    ("postgresql+psycopg://u@h/db", "use postgresql\\+psycopg2"),
+    ("not a url", "not a database URL"),
+])
+def test_bad_urls_are_explained(tm, url, message):
+    with pytest.raises(ConfigurationError, match=message):
+        tm.add_resource("x", url)
+
+
+def test_bare_postgresql_url_means_psycopg2(tm, pg_db):
+    url = pg_db().replace("postgresql+psycopg2://", "postgresql://")
+    resource = tm.add_resource("app", url)
+    assert resource.engine.dialect.driver == "psycopg2"
+    with qtp.transaction() as tx:
+        assert tx.connection("app").execute(text("SELECT 1")).scalar() == 1
+
+
+def test_engine_of_an_unsupported_database_is_refused(tm):
+    with pytest.raises(ConfigurationError, match="unsupported database"):
+        tm.add_resource("x", sqlalchemy.create_engine("sqlite://"))
+
+
+def test_engine_is_used_as_given(tm, pg_db):
+    engine = sqlalchemy.create_engine(pg_db(), pool_size=3)
+    resource = tm.add_resource("app", engine)
+    assert resource.engine is engine
