@@ -181,7 +181,10 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = 
     if soap is None or local != "Envelope":
         code = "VersionMismatch" if local == "Envelope" else SENDER
         raise _bad(f"the document is not a SOAP 1.1 or 1.2 Envelope: {root.tag[:80]}", code)
-    return _envelope(_Reader(soap), root)
+    try:
+        return _envelope(_Reader(soap), root)
+    except ValueError as exc:  # a value the message classes refuse (an Expires of a million years, ...)
+        raise _bad(f"invalid value: {exc}") from exc
 
 
 def _envelope(reader: _Reader, root: Any) -> Envelope:
