@@ -145,3 +145,33 @@ def test_lock_stops_a_second_manager(tmp_path):
     log.close()
     assert lock_holder(tmp_path) is None
     DecisionLog(tmp_path).close()
+
+
+def test_leader_holds_the_batch_open_for_transactions_still_voting(tmp_path):
+    """Decisions of transactions that were voting when the leader arrived ride on the leader's fsync."""
+    log = DecisionLog(tmp_path, group_window_s=5.0)  # generous: the voters, not the clock, end the wait
+    voters = 8
+    for _ in range(voters):
+        log.voting(+1)
+
+    def voter(i):
+        time.sleep(0.01 * i)  # votes come back at different times
+        log.voting(-1)
+        log.log_commit(f"n/{i}", ["a", "b"])
+
+    workers = [threading.Thread(target=voter, args=(i,)) for i in range(voters)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert log.forced_records == voters
+    assert log.fsyncs == 1
+    log.close()
+
+
+def test_lone_transaction_does_not_wait_for_the_window(tmp_path):
+    log = DecisionLog(tmp_path, group_window_s=5.0)
+    began = time.monotonic()
+    log.log_commit("n/1", ["a", "b"])
+    assert time.monotonic() - began < 1.0
+    log.close()

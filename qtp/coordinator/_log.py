@@ -35,6 +35,7 @@ import json
 import os
 import struct
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,9 +144,11 @@ class DecisionLog:
     """The live, locked log of one node. ``log_commit`` is forced (group commit); ``log_end`` is not."""
 
     def __init__(self, directory: Path | str, segment_bytes: int = 8 * 1024 * 1024,
-                 sync: Callable[[int], None] = os.fdatasync):
+                 sync: Callable[[int], None] = os.fdatasync, group_window_s: float = 0.002):
         self.directory = Path(directory)
         self._sync = sync
+        self.group_window_s = group_window_s
+        self._voting = 0  # transactions in phase 1 now: they will want a decision forced soon
         self.directory.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes
         self._lock_fd = _acquire_lock(self.directory)
@@ -200,6 +203,8 @@ class DecisionLog:
             self._pending.append(record)
             self._appended += 1
             ticket = self._appended
+            if self._flushing:
+                self._cond.notify_all()  # a leader may be holding the batch open for us
             while self._durable < ticket:
                 if self._failed is not None:
                     raise LogError(f"decision log {self._segment} cannot be written: {self._failed}") \
@@ -218,9 +223,28 @@ class DecisionLog:
             self._pending.append(encode_record(END, {"gtrid": gtrid}))
             self._appended += 1
 
+    def voting(self, delta: int) -> None:
+        """The manager's note that a transaction started (+1) or finished (-1) asking its branches to vote."""
+        with self._cond:
+            self._voting += delta
+            if delta < 0:
+                self._cond.notify_all()
+
     def _lead_flush(self) -> None:
-        """Called with the condition held; writes and syncs the buffer with the condition released."""
+        """Called with the condition held; writes and syncs the buffer with the condition released.
+
+        While other transactions are still voting, their decisions will arrive within a round trip: the
+        leader holds the batch open for them, at most ``group_window_s`` (PostgreSQL's commit_delay with
+        commit_siblings, in effect). A lone transaction never waits.
+        """
         self._flushing = True
+        if self._voting > 0 and self.group_window_s > 0:
+            deadline = time.monotonic() + self.group_window_s
+            while self._voting > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
         batch, self._pending = self._pending, []
         upto = self._appended
         self._cond.release()

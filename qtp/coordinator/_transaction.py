@@ -212,7 +212,11 @@ class Transaction:
             failpoint(f"after_prepare_{index}")
             return vote
 
-        results = self.manager.fan_out(prepare, branches)
+        self.manager.log.voting(+1)
+        try:
+            results = self.manager.fan_out(prepare, branches)
+        finally:
+            self.manager.log.voting(-1)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             self._abort(failure, "a branch voted no")
