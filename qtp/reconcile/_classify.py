@@ -81,7 +81,7 @@ def differing_columns(names: Sequence[str]) -> Column:
     ]
     if not flags:
         return F.array().cast("array<string>")
-    return F.filter(F.array(*flags), lambda name: name.isNotNull())
+    return F.array_compact(F.array(*flags))
 
 
 def classify(client: DataFrame, server: DataFrame, names: Sequence[str]) -> DataFrame:
@@ -121,9 +121,11 @@ def classify(client: DataFrame, server: DataFrame, names: Sequence[str]) -> Data
 def summarize(classified: DataFrame, names: Sequence[str], sample_size: int) -> DataFrame:
     """Counts per (class, copies), per-column mismatch counts, and up to ``sample_size`` samples per group.
 
-    The samples are the rows with the smallest keys of each group.
+    The samples are the rows with the smallest keys of each group; ok keys carry no sample (their rows stay
+    narrow through the aggregation's sort).
     """
-    sample = F.struct("key", "status", "copies", "client", "server", "differing")
+    is_anomaly = F.col("class") != OK
+    sample = F.when(is_anomaly, F.struct("key", "status", "copies", "client", "server", "differing"))
     per_column = [
         F.count_if(F.array_contains("differing", name)).alias(f"differs_{i}") for i, name in enumerate(names)
     ]

@@ -342,7 +342,7 @@ def _result(groups: Sequence, names: Sequence[str], sample_size: int) -> Reconci
         if cls == C.IN_DOUBT and copies > 0:
             in_doubt_applied += keys
         if cls in samples:
-            samples[cls].extend(sample.asDict(recursive=True) for sample in row["samples"])
+            samples[cls].extend(sample.asDict(recursive=True) for sample in row["samples"] if sample is not None)
     for cls, rows in samples.items():
         rows.sort(key=lambda sample: (sample["key"] is None, sample["key"]))
         del rows[sample_size:]
