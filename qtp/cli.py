@@ -16,6 +16,7 @@ from qtp.errors import QtpError
 COMMAND_MODULES = [
     "qtp.db_cli",
     "qtp.reconcile.cli",
+    "qtp.recovery.cli",
 ]
 
 

@@ -13,6 +13,10 @@
     [resources.queue]
     url = "mysql+pymysql://qtp@db2/queue"
 
+    [recovery]                   # optional
+    interval = 60                # seconds between background recovery passes (0: only at start)
+    warn_prepared_age = 300      # `qtp status` warns about branches prepared longer ago than this
+
 Relative ``log_dir`` paths are taken from the folder holding the file.
 """
 
@@ -32,6 +36,8 @@ class Config:
     timeout: float = 60.0
     resources: dict[str, str] = field(default_factory=dict)
     path: Path | None = None
+    recovery_interval: float | None = 60.0
+    warn_prepared_age: float = 300.0
 
 
 def load_config(path: str | Path) -> Config:
@@ -53,11 +59,28 @@ def load_config(path: str | Path) -> Config:
         if not isinstance(table, dict) or not isinstance(table.get("url"), str):
             raise ConfigurationError(f"{path}: [resources.{name}] needs a url = \"...\" entry")
         resources[name] = table["url"]
-    unknown = set(data) - {"node", "resources", "channels"}
+    unknown = set(data) - {"node", "resources", "channels", "recovery"}
     if unknown:
         raise ConfigurationError(f"{path}: unknown table(s) {sorted(unknown)}; expected [node] and [resources.NAME]")
     try:
         timeout = float(node.get("timeout", 60.0))
     except (TypeError, ValueError):
         raise ConfigurationError(f"{path}: [node] timeout must be a number of seconds") from None
-    return Config(node_id=str(node["id"]), log_dir=log_dir, timeout=timeout, resources=resources, path=path)
+    interval, warn_age = _recovery_settings(path, data.get("recovery", {}))
+    return Config(node_id=str(node["id"]), log_dir=log_dir, timeout=timeout, resources=resources, path=path,
+                  recovery_interval=interval, warn_prepared_age=warn_age)
+
+
+def _recovery_settings(path: Path, table: object) -> tuple[float | None, float]:
+    """``[recovery] interval, warn_prepared_age`` (seconds); interval 0 turns the background passes off."""
+    if not isinstance(table, dict) or set(table) - {"interval", "warn_prepared_age"}:
+        raise ConfigurationError(f"{path}: [recovery] takes interval = SECONDS and warn_prepared_age = SECONDS")
+    try:
+        interval = float(table.get("interval", 60.0))
+        warn_age = float(table.get("warn_prepared_age", 300.0))
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{path}: [recovery] interval and warn_prepared_age must be numbers of seconds") \
+            from None
+    if interval < 0 or warn_age < 0:
+        raise ConfigurationError(f"{path}: [recovery] interval and warn_prepared_age must not be negative")
+    return (interval or None), warn_age

@@ -28,6 +28,7 @@ log = logging.getLogger("qtp.coordinator")
 
 DEFAULT_LOG_DIR = "recovery_logs"
 DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_RECOVERY_INTERVAL_S = 60.0
 
 
 class TransactionManager:
@@ -38,14 +39,20 @@ class TransactionManager:
     """
 
     def __init__(self, node_id: str, log_dir: str | Path = DEFAULT_LOG_DIR, timeout: float = DEFAULT_TIMEOUT_S,
-                 phase_two_retry_s: float = 30.0, max_workers: int = 32):
+                 phase_two_retry_s: float = 30.0, max_workers: int = 32,
+                 recovery_interval: float | None = DEFAULT_RECOVERY_INTERVAL_S):
+        from qtp.recovery._node import log_present
+
         self.node_id = validate_name("node id", node_id, MAX_NODE_ID)
         if timeout <= 0:
             raise ConfigurationError(f"transaction timeout must be positive, got {timeout!r}")
         self.log_dir = Path(log_dir) / node_id
         self.timeout = float(timeout)
         self.phase_two_retry_s = phase_two_retry_s
+        self._log_was_missing = not log_present(self.log_dir)  # recovery must then not presume aborts
         self.log = DecisionLog(self.log_dir)
+        self.recovery_interval = recovery_interval
+        self._recovery: Any = None  # qtp.recovery.RecoveryService, started by start_recovery()
         self._resources: dict[str, Resource] = {}
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="qtp-branch")
@@ -61,9 +68,11 @@ class TransactionManager:
         from qtp.config import load_config
 
         config = load_config(path)
-        manager = cls(config.node_id, config.log_dir, timeout=config.timeout)
+        manager = cls(config.node_id, config.log_dir, timeout=config.timeout,
+                      recovery_interval=config.recovery_interval)
         for name, url in config.resources.items():
             manager.add_resource(name, url)
+        manager.start_recovery()
         return manager
 
     def __repr__(self) -> str:
@@ -117,6 +126,8 @@ class TransactionManager:
         """Start a transaction on this thread (prefer ``with manager.transaction()``)."""
         if self._closed:
             raise ConfigurationError(f"transaction manager {self.node_id!r} is closed")
+        if self._recovery is None:
+            self.start_recovery()
         current = getattr(self._local, "tx", None)
         if current is not None and current.outcome is None:
             raise NestedTransactionError(
@@ -170,6 +181,27 @@ class TransactionManager:
         first = run_each(fn, items[:1])
         return first + [f.result()[0] for f in futures]
 
+    # ------------------------------------------------------------------ recovery
+
+    def start_recovery(self) -> Any:
+        """Resolve what an earlier run of this node left in doubt, then keep doing so every
+        ``recovery_interval`` seconds in the background. Runs by itself at the first ``begin()`` (and in
+        ``from_config``); call it after ``add_resource`` to recover before any traffic. Returns the start-up
+        pass's RecoveryReport, or None when recovery had already started."""
+        from qtp.recovery import RecoveryService
+
+        with self._in_flight_lock:
+            if self._recovery is not None:
+                return None
+            self._recovery = RecoveryService(self, self.recovery_interval, self._log_was_missing)
+        return self._recovery.start()
+
+    def recover(self, dry_run: bool = False) -> Any:
+        """One recovery pass now (in-flight transactions are left alone); returns its RecoveryReport."""
+        if self._recovery is None:
+            self.start_recovery()
+        return self._recovery.run_once(dry_run=dry_run)
+
     # ------------------------------------------------------------------ phase-2 retries
 
     def retry_phase_two(self, gtrid: str, branches: list[tuple[Resource, Xid]]) -> None:
@@ -212,6 +244,8 @@ class TransactionManager:
         if self._closed:
             return
         self._closed = True
+        if self._recovery is not None:
+            self._recovery.stop()
         self.wait_retries()
         self._pool.shutdown(wait=True)
         self.log.close()

@@ -1,0 +1,204 @@
+"""Recovery of a node from outside its manager (``qtp recover``, ``qtp status``), and the files it shares
+with the manager's own recovery: the log-present test and the QUARANTINE list.
+
+Missing versus empty. A manager creates its log directory together with a first segment (a checkpoint
+record), and a checkpoint always writes the new segment before deleting the old ones. So a node that has
+ever run a transaction has at least one ``segment-*.log``; "no segment" means the log was never created
+or has been lost. In-doubt branches of this node with no log present are therefore the mark of a lost log:
+they are reported and left alone, never presumed aborted.
+
+QUARANTINE. When a manager starts on a missing log and finds in-doubt branches of its node that it did not
+create, it cannot know their outcome either; it writes them, one JSON object a line, to
+``<log dir>/QUARANTINE`` so that every later pass (its own, or ``qtp recover``) leaves them alone until an
+operator resolves them by hand and deletes the file.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from qtp.config import Config
+from qtp.coordinator._log import DecisionLog, read_log, lock_holder
+from qtp.errors import LogLockedError, QtpError
+from qtp.recovery._core import RecoveryReport, age_of, run_pass, scan
+from qtp.xa import Resource, resource_for
+
+QUARANTINE_FILE = "QUARANTINE"
+
+
+class LiveManagerError(LogLockedError):
+    """``qtp recover`` was asked to act on a node whose live manager holds the log."""
+
+
+def node_log_dir(config: Config) -> Path:
+    return Path(config.log_dir) / config.node_id
+
+
+def log_present(directory: Path | str) -> bool:
+    """True when the directory holds at least one log segment (see the module docstring)."""
+    directory = Path(directory)
+    return directory.is_dir() and any(directory.glob("segment-*.log"))
+
+
+def read_quarantine(directory: Path | str) -> dict[str, dict]:
+    path = Path(directory) / QUARANTINE_FILE
+    if not path.exists():
+        return {}
+    entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {entry["xid"]: entry for entry in entries}
+
+
+def add_quarantine(directory: Path | str, entries: list[dict]) -> None:
+    if not entries:
+        return
+    with open(Path(directory) / QUARANTINE_FILE, "a") as f:
+        for entry in entries:
+            f.write(json.dumps(entry) + "\n")
+        f.flush()
+
+
+def open_resources(config: Config) -> list[Resource]:
+    """One resource per distinct database of the configuration, named as the manager names it."""
+    distinct: list[Resource] = []
+    for name, url in config.resources.items():
+        resource = resource_for(name, url, config.node_id, pool_size=16, max_overflow=16)
+        if any(r.identity == resource.identity for r in distinct):
+            resource.close()
+            continue
+        distinct.append(resource)
+    return distinct
+
+
+def recover_node(config: Config, dry_run: bool = False, workers: int = 16) -> RecoveryReport:
+    """Run one recovery pass for the node of ``config``, outside any manager.
+
+    Refuses (LiveManagerError) when a live manager holds the node's log: that manager recovers its own
+    in-doubt branches, and acting beside it could race its live transactions.
+    """
+    directory = node_log_dir(config)
+    holder = lock_holder(directory)
+    if holder is not None:
+        raise _live(config, directory, holder)
+    resources = open_resources(config)
+    quarantine = set(read_quarantine(directory))
+    log: DecisionLog | None = None
+    try:
+        if not log_present(directory):
+            read = lambda: None  # noqa: E731 - the log is missing: nothing may be presumed
+            end = None
+        elif dry_run:
+            state = read_log(directory)
+            read, end = (lambda: dict(state.open)), None
+        else:
+            try:
+                log = DecisionLog(directory)
+            except LogLockedError as exc:
+                raise _live(config, directory, lock_holder(directory) or "unknown") from exc
+            read, end = (lambda: dict(log.open)), log.log_end
+        report, _ = run_pass(config.node_id, resources, read, end=end, quarantine=quarantine, dry_run=dry_run,
+                             workers=workers)
+        if log is not None and report.ended:
+            log.flush()
+            log.checkpoint()
+        return report
+    finally:
+        if log is not None:
+            log.close()
+        for resource in resources:
+            resource.close()
+
+
+def _live(config: Config, directory: Path, holder: str) -> LiveManagerError:
+    return LiveManagerError(
+        f"node {config.node_id!r} is running: its transaction manager (pid {holder}) holds the decision log "
+        f"{directory}, and recovers its own in-doubt branches at start and in the background; `qtp recover` "
+        "will not act beside it. Use `qtp status` to look, or stop that process and run `qtp recover` again"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+@dataclass
+class NodeStatus:
+    node_id: str
+    log_dir: str
+    log_present: bool
+    log_locked_by: str | None
+    log_size: int = 0
+    log_segments: int = 0
+    log_records: int = 0
+    last_checkpoint: str | None = None
+    last_checkpoint_age_s: float | None = None
+    open_decisions: int = 0
+    torn_tail: str | None = None
+    log_error: str | None = None
+    quarantined: int = 0
+    resources: dict[str, dict] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def node_status(config: Config, warn_age_s: float = 300.0) -> NodeStatus:
+    """Read-only: the log's state and each resource's in-doubt branches (never locks, never acts)."""
+    directory = node_log_dir(config)
+    status = NodeStatus(config.node_id, str(directory), log_present(directory), lock_holder(directory))
+    decisions: dict[str, list[str]] = {}
+    if status.log_present:
+        try:
+            state = read_log(directory)
+            decisions = state.open
+            status.log_size, status.log_segments, status.log_records = state.size, len(state.segments), state.records
+            status.open_decisions = len(state.open)
+            if state.last_checkpoint is not None:
+                path = directory / f"segment-{state.last_checkpoint:08d}.log"
+                status.last_checkpoint = path.name
+                if path.exists():
+                    status.last_checkpoint_age_s = max(0.0, time.time() - path.stat().st_mtime)
+            if state.torn_tail is not None:
+                status.torn_tail = f"{state.torn_tail[0]} at offset {state.torn_tail[1]}"
+        except QtpError as exc:
+            status.log_error = str(exc)
+            status.warnings.append(str(exc))
+    status.quarantined = len(read_quarantine(directory))
+    report = RecoveryReport(config.node_id)
+    resources = open_resources(config)
+    try:
+        found = scan(resources, report)
+    finally:
+        for resource in resources:
+            resource.close()
+    now = datetime.now(timezone.utc)
+    for resource in resources:
+        entry: dict = {"in_doubt": [], "unreachable": report.unreachable.get(resource.name),
+                       "family": getattr(resource, "family", "memory")}
+        status.resources[resource.name] = entry
+        if entry["unreachable"]:
+            status.warnings.append(f"resource {resource.name!r} is unreachable: {entry['unreachable']}")
+    old = 0
+    for f in found:
+        age = age_of(f.prepared_at, now)
+        decided = f.gtrid in decisions
+        status.resources[f.resource.name]["in_doubt"].append(
+            {"xid": str(f.xid), "age_s": age, "decision": "commit" if decided else "none (presumed abort)"})
+        if age is not None and age > warn_age_s:
+            old += 1
+    if old:
+        status.warnings.append(
+            f"{old} prepared branch(es) older than {warn_age_s:g} s: in PostgreSQL they hold their row locks and "
+            "keep VACUUM from removing dead rows; run `qtp recover` (or check that the node's manager is running)")
+    unaged = sum(1 for f in found if f.prepared_at is None)
+    if unaged and status.log_locked_by is None:
+        status.warnings.append(
+            f"{unaged} in-doubt branch(es) on MariaDB/MySQL, whose age the server does not record, and no live "
+            "manager holds the log: run `qtp recover`")
+    if found and not status.log_present:
+        status.warnings.append(f"{len(found)} in-doubt branch(es) but the decision log {directory} is missing: "
+                               "restore it before recovering; `qtp recover` will leave them in doubt")
+    if status.quarantined:
+        status.warnings.append(f"{status.quarantined} quarantined branch(es) listed in {directory / QUARANTINE_FILE}:"
+                               " resolve them by hand (docs/recovery.md)")
+    return status

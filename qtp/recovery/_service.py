@@ -1,0 +1,131 @@
+"""Recovery inside a running TransactionManager: once at start, then periodically in the background.
+
+The manager holds its log lock, so no other process recovers this node meanwhile. The start-up pass acts
+on every in-doubt branch of the node that is not in flight (nothing of this manager can be in doubt yet
+except its own live transactions, which the ordered reads of ``run_pass`` protect). The periodic passes
+use the two-pass rule as well: a branch is resolved only when the previous pass saw it in doubt too, so a
+transaction the manager is in the middle of committing is never second-guessed.
+
+A manager started on a missing log (see ``_node``) first vets each resource: the in-doubt branches it finds
+there that are neither in flight nor decided in the new log, and (where the database records it) were
+prepared before the manager started, are put in QUARANTINE, never rolled back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+from qtp.recovery._core import RecoveryReport, run_pass, scan
+from qtp.recovery._node import add_quarantine, read_quarantine
+from qtp.xa import Xid
+
+if TYPE_CHECKING:
+    from qtp.coordinator._manager import TransactionManager
+
+log = logging.getLogger("qtp.recovery")
+
+
+class RecoveryService:
+    """One manager's recovery: ``run_once()`` on demand, ``start()`` for the start-up pass and the thread."""
+
+    def __init__(self, manager: "TransactionManager", interval: float | None, log_was_missing: bool = False):
+        self.manager = manager
+        self.interval = interval
+        self.started_at = datetime.now(timezone.utc)
+        self._unvetted: set[str] | None = None if not log_was_missing else {
+            r.name for r in manager.distinct_resources()}
+        self._quarantine = set(read_quarantine(manager.log_dir))
+        self._previous: set[Xid] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_report: RecoveryReport | None = None
+        self.passes = 0
+
+    # ------------------------------------------------------------------ passes
+
+    def run_once(self, dry_run: bool = False, two_pass: bool = False) -> RecoveryReport:
+        """One pass now. ``two_pass``: act only on branches the previous pass saw in doubt too."""
+        with self._lock:
+            resources = self.manager.distinct_resources()
+            if self._unvetted:
+                self._vet(resources)
+            report, seen = run_pass(
+                self.manager.node_id, resources, lambda: dict(self.manager.log.open),
+                in_flight=self.manager.in_flight, end=self.manager.log.log_end,
+                previous=self._previous if two_pass else None, quarantine=self._quarantine, dry_run=dry_run,
+            )
+            if report.ended and not dry_run:
+                self.manager.log.flush()
+                self.manager.log.checkpoint()
+            if not dry_run:
+                self._previous = seen
+                self.passes += 1
+                self.last_report = report
+            self._log(report)
+            return report
+
+    def _vet(self, resources: list) -> None:
+        """The log was missing at start: quarantine what was in doubt before this manager began."""
+        pending = [r for r in resources if r.name in self._unvetted]
+        probe = RecoveryReport(self.manager.node_id)
+        found = scan(pending, probe)
+        in_flight = self.manager.in_flight()
+        decided = set(self.manager.log.open)
+        fresh = []
+        for f in found:
+            if f.gtrid in in_flight or f.gtrid in decided or str(f.xid) in self._quarantine:
+                continue
+            if f.prepared_at is not None and _aware(f.prepared_at) >= self.started_at:
+                continue
+            fresh.append({"xid": str(f.xid), "resource": f.resource.name, "found_at": time.time(),
+                          "reason": "in doubt when the manager started on a missing decision log"})
+        add_quarantine(self.manager.log_dir, fresh)
+        self._quarantine |= {e["xid"] for e in fresh}
+        if fresh:
+            log.critical("node %s started without a decision log, and %d in-doubt branch(es) of this node exist "
+                         "(%s ...): their outcome is unknown, so they are quarantined, not rolled back; restore the "
+                         "log or resolve them by hand (docs/recovery.md)", self.manager.node_id, len(fresh),
+                         fresh[0]["xid"])
+        self._unvetted -= {r.name for r in pending if r.name not in probe.unreachable}
+
+    def _log(self, report: RecoveryReport) -> None:
+        if report.committed or report.rolled_back or report.ended:
+            log.warning("recovery: %s", report.summary())
+        for reason in report.reasons():
+            log.error("recovery: %s", reason)
+
+    # ------------------------------------------------------------------ background
+
+    def start(self) -> RecoveryReport | None:
+        """The start-up pass, then the periodic thread (when an interval is set)."""
+        report = None
+        try:
+            report = self.run_once()
+        except Exception as exc:  # a failed start-up pass must not stop the manager; the thread retries
+            log.error("recovery at start of node %s failed: %s", self.manager.node_id, exc)
+        if self.interval and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="qtp-recovery", daemon=True)
+            self._thread.start()
+        return report
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.run_once(two_pass=True)
+            except Exception as exc:  # the background pass must survive anything; it reports and retries
+                log.error("periodic recovery of node %s failed: %s", self.manager.node_id, exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def _aware(at: datetime) -> datetime:
+    return at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)
