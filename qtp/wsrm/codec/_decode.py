@@ -12,6 +12,8 @@ version are all accepted. Unknown headers are ignored unless they carry mustUnde
 
 from __future__ import annotations
 
+import functools
+import operator
 import re
 from collections.abc import Callable
 from typing import Any
@@ -47,12 +49,19 @@ _PARSER = etree.XMLParser(
     collect_ids=False,
 )
 _DIGITS = re.compile(r"\+?[0-9]{1,25}")
+_DIGIT_LIST = re.compile(r"(?:\s*\+?[0-9]{1,25}\s*,)*")
 _DURATION = re.compile(
     r"P(?:(\d+)Y)?(?:(\d+)M)?(?:(\d+)D)?(?:T(?:(\d+)H)?(?:(\d+)M)?(?:(\d+(?:\.\d+)?)S)?)?"
 )
 _FAULT_CODES = {code.value: code for code in FaultCode}
 _TRUE = {"1", "true"}
 SENDER = "Sender"
+
+
+@functools.lru_cache(maxsize=8)
+def _deeper_than(max_depth: int) -> etree.XPath:
+    """A compiled XPath that is true when some element sits below ``max_depth`` levels."""
+    return etree.XPath("boolean(" + "/*" * (max_depth + 1) + ")")
 
 
 def _split(tag: str) -> tuple[str, str]:
@@ -104,7 +113,8 @@ class _Reader:
         self.wsa = version
 
     def child(self, parent: Any, local: str, required: bool = True) -> Any:
-        element = parent.find(f"{{{self.rm_ns}}}{local}")
+        tag = f"{{{self.rm_ns}}}{local}"
+        element = next((c for c in parent if c.tag == tag), None)  # cheaper than find() for a few children
         if element is None and required:
             raise _bad(f"{_split(parent.tag)[1]} lacks its {local}")
         return element
@@ -125,6 +135,19 @@ class _Reader:
         if value < 1:
             raise _bad(f"{what} must be at least 1")
         return value
+
+    def numbers(self, texts: list[str], what: str) -> list[int]:
+        """Many numbers at once: one regular-expression pass over all of them, then int()."""
+        if not texts:
+            return []
+        joined = "".join(texts)
+        plain = joined.isascii() and joined.isdigit() and all(texts)  # the common case: no blanks, signs
+        if not plain and not _DIGIT_LIST.fullmatch(",".join(texts) + ","):
+            return [self.number(text, what) for text in texts]  # names the culprit
+        values = list(map(int, texts))
+        if max(values) > MAX_MESSAGE_NUMBER or min(values) < 1:
+            return [self.number(text, what) for text in texts]
+        return values
 
     def optional_number(self, parent: Any, local: str) -> int | None:
         element = self.child(parent, local, required=False)
@@ -174,7 +197,7 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = 
         raise _bad(f"the envelope is not well-formed XML: {exc}") from exc
     if root.getroottree().docinfo.doctype:
         raise _bad("DTDs are not accepted")
-    if root.xpath("boolean(" + "/*" * (max_depth + 1) + ")"):
+    if _deeper_than(max_depth)(root):
         raise _bad(f"the envelope is nested deeper than {max_depth} elements")
     ns, local = _split(root.tag)
     soap = SOAP_BY_NS.get(ns)
@@ -247,31 +270,35 @@ def _sequence(reader: _Reader, block: Any, fields: dict[str, Any]) -> None:
 
 def _acknowledgement(reader: _Reader, block: Any, fields: dict[str, Any]) -> None:
     invalid = FaultCode.INVALID_ACKNOWLEDGEMENT.value
-    pairs, nacks, none, final = [], [], False, False
-    for child in block:
-        if not isinstance(child.tag, str) or _split(child.tag)[0] != reader.rm_ns:
-            continue
-        local = _split(child.tag)[1]
-        if local == "AcknowledgementRange":
-            lower = reader.number(child.get("Lower", ""), "Lower")
-            upper = reader.number(child.get("Upper", ""), "Upper")
-            if lower > upper:
-                raise _bad(f"acknowledgement range {lower}-{upper} is inverted", invalid)
-            pairs.append((lower, upper))
-        elif local == "Nack":
-            nacks.append(reader.number(_text(child), "Nack"))
-        elif local == "None":
-            none = True
-        elif local == "Final":
-            final = True
+    ns = reader.rm_ns
+    found = block.findall(f"{{{ns}}}AcknowledgementRange")
+    pairs: tuple[tuple[int, int], ...] = ()
+    if found:
+        lowers = reader.numbers(list(map(_LOWER, found)), "AcknowledgementRange Lower")
+        uppers = reader.numbers(list(map(_UPPER, found)), "AcknowledgementRange Upper")
+        pairs = tuple(zip(lowers, uppers))
+    nacks = reader.numbers([_text(e) for e in block.findall(f"{{{ns}}}Nack")], "Nack")
+    none = block.find(f"{{{ns}}}None") is not None
+    final = block.find(f"{{{ns}}}Final") is not None
     if (none or final) and reader.rm is RMVersion.WSRM10:
         raise _bad("WS-RM 1.0 acknowledgements have no None or Final", invalid)
+    identifier = reader.identifier(block)
+    nack_tuple = tuple(sorted(set(nacks)))
     try:
-        ack = SequenceAcknowledgement(reader.identifier(block), ranges.union((), pairs),
-                                      tuple(sorted(set(nacks))), none, final)
-    except ValueError as exc:
-        raise _bad(f"invalid SequenceAcknowledgement: {exc}", invalid) from None
+        ack = SequenceAcknowledgement(identifier, pairs, nack_tuple, none, final)
+    except ValueError:
+        # Tolerant: peers may send ranges unsorted, overlapping or adjacent; merge them and try again.
+        if any(lower > upper for lower, upper in pairs):
+            raise _bad("an acknowledgement range has Lower above Upper", invalid) from None
+        try:
+            ack = SequenceAcknowledgement(identifier, ranges.union((), pairs), nack_tuple, none, final)
+        except ValueError as exc:
+            raise _bad(f"invalid SequenceAcknowledgement: {exc}", invalid) from None
     fields["acks"].append(ack)
+
+
+_LOWER = operator.methodcaller("get", "Lower", "")
+_UPPER = operator.methodcaller("get", "Upper", "")
 
 
 def _ack_requested(reader: _Reader, block: Any, fields: dict[str, Any]) -> None:

@@ -148,13 +148,14 @@ class SequenceAcknowledgement:
 
     def __post_init__(self) -> None:
         check_identifier(self.identifier)
-        previous = 0
+        floor = 1  # the lowest number the next range may start at
         for lower, upper in self.ranges:
-            check_number(lower, "AcknowledgementRange Lower")
-            check_number(upper, "AcknowledgementRange Upper")
-            if lower > upper or (previous and lower <= previous + 1):
-                raise ValueError(f"acknowledgement ranges must be sorted, disjoint and merged: {self.ranges}")
-            previous = upper
+            if type(lower) is not int or type(upper) is not int or not floor <= lower <= upper <= MAX_MESSAGE_NUMBER:
+                raise ValueError(
+                    f"acknowledgement ranges must be sorted, disjoint, merged and in 1..{MAX_MESSAGE_NUMBER}: "
+                    f"{self.ranges[:5]}"
+                )
+            floor = upper + 2
         for number in self.nacks:
             check_number(number, "Nack")
         kinds = (bool(self.ranges), bool(self.nacks), self.none)

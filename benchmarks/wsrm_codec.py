@@ -1,0 +1,148 @@
+"""WS-RM codec throughput against bare lxml on the same bytes (issue 4). Not a test: run it by hand.
+
+    .venv/bin/python benchmarks/wsrm_codec.py [--seconds 1.0]
+
+Two messages: an application message (Sequence header, 1 KB payload) and a SequenceAcknowledgement with
+100 ranges, both SOAP 1.2 + WS-RM 1.1. For each, four rates in operations per second:
+
+- qtp encode: build the ``Envelope`` value and ``encode`` it to bytes (build + serialise);
+- qtp decode: ``decode(bytes)`` to an ``Envelope`` with typed headers (parse + decode);
+- lxml serialise: ``etree.tostring`` of the already parsed tree of the same bytes;
+- lxml parse: ``etree.fromstring`` of the same bytes with the same hardened parser settings;
+- lxml build + serialise: the same tree built with bare ``etree.SubElement`` calls, then ``tostring``
+  (what a hand-written encoder without qtp's checks would cost; context for the first ratio).
+
+The target is qtp >= 0.5 x the bare lxml rate (qtp's overhead at most 2x). Each figure is the best of
+``--repeats`` runs of about ``--seconds`` each, so other load on the machine shows up as noise, not bias.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import timeit
+from collections.abc import Callable
+
+from lxml import etree
+
+from qtp.wsrm.codec._encode import _payload as check_payload
+from qtp.wsrm.codec import Addressing, Envelope, SoapVersion, WsaVersion, decode, encode
+from qtp.wsrm.protocol import RMVersion, Sequence, SequenceAcknowledgement
+
+SOAP = "http://www.w3.org/2003/05/soap-envelope"
+WSA = "http://www.w3.org/2005/08/addressing"
+RM = "http://docs.oasis-open.org/ws-rx/wsrm/200702"
+APP = "urn:example:orders"
+PARSER = etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False, huge_tree=False,
+                         collect_ids=False)
+
+
+def one_kb_payload() -> bytes:
+    order = etree.Element(f"{{{APP}}}order", nsmap={"o": APP}, id="42")
+    for i in range(9):
+        line = etree.SubElement(order, f"{{{APP}}}line", sku=f"SKU-{i:05d}", quantity=str(i + 1))
+        line.text = f"Item {i}: widget, blue, large, boxed"
+    data = etree.tostring(order)
+    while len(data) < 1024:
+        etree.SubElement(order, f"{{{APP}}}note").text = "padding to one kilobyte"
+        data = etree.tostring(order)
+    return data
+
+
+PAYLOAD = one_kb_payload()
+ADDRESSING = Addressing(action="urn:example:orders/Submit", to="http://server.example/rm",
+                        message_id="urn:uuid:6f1c2b0e-8d5b-4a4e-9d0a-3c7e5f1a2b3c",
+                        reply_to=f"{WSA}/anonymous")
+RANGES = tuple((3 * i + 1, 3 * i + 2) for i in range(100))
+
+
+def build_sequence_message() -> Envelope:
+    return Envelope(SoapVersion.SOAP12, RMVersion.WSRM11, WsaVersion.WSA200508, ADDRESSING,
+                    sequence=Sequence("urn:uuid:seq-0001", 12345), payload=PAYLOAD)
+
+
+def build_ack_message() -> Envelope:
+    addressing = dataclasses.replace(ADDRESSING, action=f"{RM}/SequenceAcknowledgement")
+    ack = SequenceAcknowledgement("urn:uuid:seq-0001", RANGES)
+    return Envelope(SoapVersion.SOAP12, RMVersion.WSRM11, WsaVersion.WSA200508, addressing, acks=(ack,))
+
+
+def bare_build(payload: bytes | None, ranges: tuple[tuple[int, int], ...] | None, action: str) -> bytes:
+    """The same document with bare lxml calls and no checks."""
+    root = etree.Element(f"{{{SOAP}}}Envelope", nsmap={"S": SOAP, "wsa": WSA, "wsrm": RM})
+    header = etree.SubElement(root, f"{{{SOAP}}}Header")
+    etree.SubElement(header, f"{{{WSA}}}To").text = ADDRESSING.to
+    reply = etree.SubElement(header, f"{{{WSA}}}ReplyTo")
+    etree.SubElement(reply, f"{{{WSA}}}Address").text = ADDRESSING.reply_to
+    etree.SubElement(header, f"{{{WSA}}}Action").text = action
+    etree.SubElement(header, f"{{{WSA}}}MessageID").text = ADDRESSING.message_id
+    if ranges is None:
+        sequence = etree.SubElement(header, f"{{{RM}}}Sequence")
+        sequence.set(f"{{{SOAP}}}mustUnderstand", "true")
+        etree.SubElement(sequence, f"{{{RM}}}Identifier").text = "urn:uuid:seq-0001"
+        etree.SubElement(sequence, f"{{{RM}}}MessageNumber").text = "12345"
+    else:
+        ack = etree.SubElement(header, f"{{{RM}}}SequenceAcknowledgement")
+        etree.SubElement(ack, f"{{{RM}}}Identifier").text = "urn:uuid:seq-0001"
+        for lower, upper in ranges:
+            etree.SubElement(ack, f"{{{RM}}}AcknowledgementRange", Upper=str(upper), Lower=str(lower))
+    body = etree.SubElement(root, f"{{{SOAP}}}Body")
+    if payload is not None:
+        body.append(etree.fromstring(payload, PARSER))
+    return etree.tostring(root, xml_declaration=True, encoding="UTF-8")
+
+
+def rate(function: Callable[[], object], seconds: float, repeats: int) -> float:
+    timer = timeit.Timer(function)
+    number, elapsed = timer.autorange()
+    number = max(1, int(number * seconds / max(elapsed, 1e-9)))
+    best = min(timer.repeat(repeat=repeats, number=number))
+    return number / best
+
+
+def measure(name: str, build: Callable[[], Envelope], bare: Callable[[], bytes], seconds: float,
+            repeats: int) -> list[tuple[str, str, float, float, float]]:
+    data = encode(build())
+    if decode(data) != build():
+        raise SystemExit(f"{name}: round trip failed")
+    if etree.tostring(etree.fromstring(bare(), PARSER), method="c14n") != etree.tostring(
+        etree.fromstring(data, PARSER), method="c14n"
+    ):
+        raise SystemExit(f"{name}: the bare lxml document differs from qtp's output")
+    tree = etree.fromstring(data, PARSER)
+    encode_rate = rate(lambda: encode(build()), seconds, repeats)
+    decode_rate = rate(lambda: decode(data), seconds, repeats)
+    serialise_rate = rate(lambda: etree.tostring(tree, xml_declaration=True, encoding="UTF-8"), seconds, repeats)
+    parse_rate = rate(lambda: etree.fromstring(data, PARSER), seconds, repeats)
+    bare_build_rate = rate(bare, seconds, repeats)
+    print(f"{name} ({len(data)} bytes)")
+    if build().payload is not None:
+        check = rate(lambda: check_payload(PAYLOAD), seconds, repeats)
+        print(f"  of which the payload well-formedness check alone: {check:,.0f}/s")
+    return [
+        (name, "build + serialise", encode_rate, serialise_rate, bare_build_rate),
+        (name, "parse + decode", decode_rate, parse_rate, parse_rate),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    rows = measure("Sequence + 1 KB payload", build_sequence_message,
+                   lambda: bare_build(PAYLOAD, None, ADDRESSING.action or ""), args.seconds, args.repeats)
+    rows += measure("SequenceAcknowledgement, 100 ranges", build_ack_message,
+                    lambda: bare_build(None, RANGES, f"{RM}/SequenceAcknowledgement"), args.seconds, args.repeats)
+    print(f"\npython {platform.python_version()}, lxml {etree.__version__}, libxml2 "
+          f"{'.'.join(map(str, etree.LIBXML_VERSION))}\n")
+    print("| message | operation | qtp /s | bare lxml same bytes /s | ratio | bare lxml build+serialise /s | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, operation, qtp, bare, bare_build_rate in rows:
+        second = f"{bare_build_rate:,.0f} | {qtp / bare_build_rate:.2f}" if operation.startswith("build") else "- | -"
+        print(f"| {name} | {operation} | {qtp:,.0f} | {bare:,.0f} | {qtp / bare:.2f} | {second} |")
+
+
+if __name__ == "__main__":
+    main()
