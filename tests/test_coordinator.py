@@ -367,3 +367,28 @@ def test_engine_is_used_as_given(tm, pg_db):
     engine = sqlalchemy.create_engine(pg_db(), pool_size=3)
     resource = tm.add_resource("app", engine)
     assert resource.engine is engine
+
+
+@pytest.mark.parametrize("flavour", ["pg", "mariadb"])
+def test_timeout_interrupts_a_transaction_blocked_on_a_lock(tmp_path, pg_db, maria_db, flavour):
+    """A transaction waiting on a lock past its timeout is cancelled by the reaper and rolled back."""
+    url = (pg_db if flavour == "pg" else maria_db)()
+    accounts = make_accounts(url)
+    manager = qtp.TransactionManager("reaper", tmp_path / "logs", timeout=0.4, recovery_interval=None)
+    manager.add_resource("a", url)
+    holder = accounts.connect()
+    holder.execute(text("UPDATE accounts SET balance = 0 WHERE id = 1"))  # holds the row lock, uncommitted
+    began = time.monotonic()
+    try:
+        with pytest.raises(TransactionTimeoutError, match="cancelled"):
+            with manager.transaction() as tx:
+                tx.connection("a").execute(text("UPDATE accounts SET balance = balance + 1 WHERE id = 2"))
+                tx.connection("a").execute(text("UPDATE accounts SET balance = balance + 1 WHERE id = 1"))
+        waited = time.monotonic() - began
+    finally:
+        holder.rollback()
+        holder.close()
+        manager.close()
+    assert tx.outcome is Outcome.ROLLED_BACK
+    assert waited < 5  # not the database's own lock timeout (none in PostgreSQL, 10 s in our MariaDB)
+    assert balances(accounts) == {1: BALANCE, 2: BALANCE}

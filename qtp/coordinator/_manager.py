@@ -6,6 +6,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -20,6 +21,7 @@ from qtp.errors import (
     NestedTransactionError,
     NoTransactionError,
     QtpError,
+    TransactionTimeoutError,
 )
 from qtp.xa import Resource, Xid, resource_for
 from qtp.xa._xid import MAX_NODE_ID, validate_name
@@ -59,7 +61,8 @@ class TransactionManager:
         self._retries: queue.Queue = queue.Queue()
         self._retrier: threading.Thread | None = None
         self._closed = False
-        self._in_flight: set[str] = set()  # gtrids begun and not finished (recovery leaves them alone)
+        self._in_flight: dict[str, Transaction] = {}  # begun, not finished (recovery leaves them alone)
+        self._reaper: threading.Thread | None = None
         self._in_flight_lock = threading.Lock()
 
     @classmethod
@@ -136,19 +139,38 @@ class TransactionManager:
             )
         tx = Transaction(self, timeout if timeout is not None else self.timeout)
         with self._in_flight_lock:
-            self._in_flight.add(tx.xid)
+            self._in_flight[tx.xid] = tx
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=self._reap, name="qtp-timeout", daemon=True)
+                self._reaper.start()
         self._local.tx = tx
         return tx
 
     def finished(self, tx: Transaction) -> None:
         """Called by a transaction when it reaches an outcome."""
         with self._in_flight_lock:
-            self._in_flight.discard(tx.xid)
+            self._in_flight.pop(tx.xid, None)
 
     def in_flight(self) -> set[str]:
         """Global ids of the transactions this manager is running now (recovery must not touch them)."""
         with self._in_flight_lock:
             return set(self._in_flight)
+
+    def _reap(self) -> None:
+        """Interrupt transactions that run past their timeout before prepare.
+
+        The reaper does not roll back on another thread's connection: it cancels the statement the
+        transaction is running (one waiting on a lock, say), and the owner's thread then rolls back and
+        gets TransactionTimeoutError; an idle transaction gets it at its next call or at commit.
+        """
+        period = max(0.05, min(1.0, self.timeout / 4))
+        while not self._closed:
+            time.sleep(period)
+            now = time.monotonic()
+            with self._in_flight_lock:
+                late = [tx for tx in self._in_flight.values() if tx.state is State.ACTIVE and now > tx.deadline]
+            for tx in late:
+                tx.interrupt()
 
     def current(self) -> Transaction | None:
         tx = getattr(self._local, "tx", None)
@@ -160,8 +182,13 @@ class TransactionManager:
         tx = self.begin(timeout)
         try:
             yield tx
-        except BaseException:
+        except BaseException as exc:
             tx.rollback()
+            if tx.interrupted and not isinstance(exc, TransactionTimeoutError):
+                raise TransactionTimeoutError(
+                    f"transaction {tx.xid} ran past its timeout of {tx.timeout:g} s: its statement was cancelled "
+                    "and every branch rolled back; shorten the transaction or raise the timeout"
+                ) from exc
             raise
         else:
             if tx.state is State.ACTIVE:

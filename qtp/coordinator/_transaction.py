@@ -78,6 +78,7 @@ class Transaction:
         self.timeout = timeout
         self.state = State.ACTIVE
         self.pending: list[str] = []  # branches whose phase-2 commit is still owed
+        self.interrupted = False  # the timeout reaper cancelled this transaction's statements
         self._branches: dict[int, tuple[Resource, Xid]] = {}  # id(resource) -> branch
         self._sessions: dict[str, Session] = {}
 
@@ -157,6 +158,15 @@ class Transaction:
             session = Session(bind=conn, join_transaction_mode="create_savepoint", **session_kw)
             self._sessions[name] = session
         return session
+
+    def interrupt(self) -> None:
+        """Called by the timeout reaper (another thread): cancel whatever the branches are running."""
+        self.interrupted = True
+        for resource, xid in list(self._branches.values()):
+            try:
+                resource.cancel(xid)
+            except Exception as exc:  # best effort: the owner still rolls back at its next call
+                log.warning("could not cancel the running statement of %s: %s", xid, exc)
 
     # ------------------------------------------------------------------ ending
 

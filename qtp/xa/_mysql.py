@@ -67,6 +67,13 @@ class MySQLResource(SqlResource):
         else:
             self._flavour = "mysql"
 
+    def cancel(self, xid: Xid) -> None:
+        branch = self._branches.get(xid)
+        if branch is None or branch.prepared:
+            return
+        with self.translate("cancel", xid), self.engine.connect() as conn:
+            _execute(conn.connection.dbapi_connection, f"KILL QUERY {int(branch.raw.thread_id())}")
+
     # ------------------------------------------------------------------ the protocol steps
 
     def _xa_start(self, raw: Any, xid: Xid) -> None:

@@ -45,6 +45,12 @@ class PostgresResource(SqlResource):
                     "tables (or a separate, non-qtp connection) for temporary data")
         return None
 
+    def cancel(self, xid: Xid) -> None:
+        branch = self._branches.get(xid)
+        if branch is not None and not branch.prepared:
+            with self.translate("cancel", xid):
+                branch.raw.cancel()
+
     # ------------------------------------------------------------------ the protocol steps
 
     def _xa_start(self, raw: Any, xid: Xid) -> None:

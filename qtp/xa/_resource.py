@@ -103,6 +103,10 @@ class Resource(abc.ABC):
         """Drop what the resource remembers of a heuristically completed branch (a no-op where the
         database keeps nothing)."""
 
+    def cancel(self, xid: Xid) -> None:
+        """Interrupt the statement branch ``xid`` is running, from another thread (a no-op where nothing can
+        block). The branch's owner then sees its statement fail and rolls back."""
+
     def close(self) -> None:
         """Release pooled connections. Prepared branches stay prepared."""
 
