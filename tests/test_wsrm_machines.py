@@ -455,3 +455,23 @@ def test_ranges_behave_like_sets(left: list[int], right: list[int]) -> None:
     while expected + 1 in set(left):
         expected += 1
     assert ranges.contiguous_from_one(a) == expected
+
+
+# ------------------------------------------------------------------------------------ no I/O, no qtp
+
+
+def test_protocol_core_imports_no_io_and_nothing_of_qtp_but_errors() -> None:
+    import ast
+
+    package = Path(__file__).resolve().parent.parent / "qtp" / "wsrm" / "protocol"
+    forbidden = {"socket", "time", "datetime", "threading", "asyncio", "random", "uuid", "sqlite3", "sqlalchemy",
+                 "requests", "lxml", "subprocess", "select", "selectors", "http", "urllib"}
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                assert name.split(".")[0] not in forbidden, (path.name, name)
+                if name.startswith("qtp"):
+                    assert name == "qtp.errors" or name.startswith("qtp.wsrm.protocol"), (path.name, name)
