@@ -1,0 +1,45 @@
+"""The random campaign: a transferring process is SIGKILLed from outside at random moments, over and over.
+
+Runs ``python -m qtp.recovery._campaign`` (which forks the children, kills them, recovers through the code of
+``qtp recover`` or at the next start, and checks every property after every kill) against the session's
+servers, then checks the databases again itself.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from qtp.config import load_config
+from qtp.recovery._workload import check_pair
+
+KILLS = 210  # 70 per database pair
+
+
+def test_random_sigkill_campaign(pg_server, maria_server, tmp_path):
+    out = tmp_path / "campaign.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qtp.recovery._campaign", "--kills", str(KILLS), "--scenarios", "sigkill",
+         "--workdir", str(tmp_path), "--pg-root", str(pg_server.root), "--maria-root", str(maria_server.root),
+         "--seed", "3", "--tag", "rk", "--json", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["violations"] == 0, json.dumps(summary["violation_records"], indent=1)[:5000]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary["kills"] == KILLS
+    assert summary["per_pair"] == {"pg+pg": KILLS // 3, "pg+maria": KILLS // 3, "maria+maria": KILLS // 3}
+    assert summary["prepared_left"] == {"pg+pg": [], "pg+maria": [], "maria+maria": []}
+    outcomes = summary["per_scenario"]["sigkill"]
+    # the random moments fell on both sides of the commit decision, so both kinds of recovery were exercised
+    assert outcomes.get("committed", 0) > 10 and outcomes.get("rolled back", 0) > 10, outcomes
+    assert set(summary["routes"]) == {"cli", "auto"}
+    assert all(n > 0 for n in summary["transfers_acknowledged"].values())
+
+    for pair in ("pg_pg", "pg_maria", "maria_maria"):
+        config = load_config(tmp_path / f"{pair}.toml")
+        check = check_pair(config.resources["a"], config.resources["b"], config.node_id)
+        assert check.violations == [] and check.prepared == []
+        assert len(check.ledger_a) >= summary["transfers_acknowledged"][pair.replace("_", "+")]
