@@ -66,20 +66,26 @@ class MemoryNode:
     def prepared(self, branch: str) -> list[Xid]:
         return list(self.stores[branch].prepared)
 
+    def crashed_state(self, undecided_in: str) -> bytes:
+        """A decided transaction prepared on x and y (key "a") and an undecided one prepared on
+        ``undecided_in`` (key "b"), as a crash after the decision leaves them; returns the decided gtrid."""
+        decided, undecided = Xid.new_gtrid(self.node_id), Xid.new_gtrid(self.node_id)
+        self.prepare(decided, "x", "a", 1)
+        self.prepare(decided, "y", "a", 1)
+        self.prepare(undecided, undecided_in, "b", 2)
+        self.decide(decided, ["x", "y"])
+        return decided
+
 
 def test_logged_commits_are_committed_the_rest_rolled_back_and_the_log_forgets(tmp_path):
     node = MemoryNode(tmp_path)
-    decided, undecided = Xid.new_gtrid(node.node_id), Xid.new_gtrid(node.node_id)
-    node.prepare(decided, "x", "k1", 1)
-    node.prepare(decided, "y", "k1", 1)
-    node.prepare(undecided, "x", "k2", 2)
-    node.decide(decided, ["x", "y"])
+    decided = node.crashed_state(undecided_in="x")
 
     report = recover_node(node.config())
 
     assert report.ok and (report.committed, report.rolled_back) == (2, 1)
     assert report.ended == [decided.decode()]
-    assert node.stores["x"].data == {"k1": 1} and node.stores["y"].data == {"k1": 1}
+    assert node.stores["x"].data == {"a": 1} and node.stores["y"].data == {"a": 1}
     assert node.prepared("x") == node.prepared("y") == []
     assert read_log(node.log_dir).open == {}
     assert read_log(node.log_dir).last_checkpoint == 2, "the pass checkpointed the log"
@@ -171,11 +177,7 @@ def test_unreachable_resource_fails_the_pass_and_names_it(tmp_path):
 
 def test_start_up_recovery_resolves_what_the_last_run_left(tmp_path):
     node = MemoryNode(tmp_path)
-    decided, undecided = Xid.new_gtrid(node.node_id), Xid.new_gtrid(node.node_id)
-    node.prepare(decided, "x", "a", 1)
-    node.prepare(decided, "y", "a", 1)
-    node.prepare(undecided, "y", "b", 2)
-    node.decide(decided, ["x", "y"])
+    node.crashed_state(undecided_in="y")
 
     manager = TransactionManager(node.node_id, node.log_root, recovery_interval=None)
     manager.add_resource("x", "memory://" + _store_name(node, "x"))
