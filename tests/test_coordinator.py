@@ -392,3 +392,17 @@ def test_timeout_interrupts_a_transaction_blocked_on_a_lock(tmp_path, pg_db, mar
     assert tx.outcome is Outcome.ROLLED_BACK
     assert waited < 5  # not the database's own lock timeout (none in PostgreSQL, 10 s in our MariaDB)
     assert balances(accounts) == {1: BALANCE, 2: BALANCE}
+
+
+def test_work_on_the_raw_dbapi_connection_is_not_mistaken_for_idle(tm, pg_db):
+    """PostgreSQL tells (without a round trip) that a branch began, even when SQLAlchemy saw no statement."""
+    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
+    tm.add_resource("a", a.url)
+    tm.add_resource("b", b.url)
+    with qtp.transaction() as tx:
+        raw = tx.connection("a").connection.dbapi_connection
+        with raw.cursor() as cur:
+            cur.execute("UPDATE accounts SET balance = balance - 3 WHERE id = 1")
+        tx.connection("b").execute(text("UPDATE accounts SET balance = balance + 3 WHERE id = 1"))
+    assert sent(tm, "a")["prepare"] == 1 and sent(tm, "b")["prepare"] == 1
+    assert balances(a)[1] == BALANCE - 3 and balances(b)[1] == BALANCE + 3

@@ -21,20 +21,20 @@ from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres
 from qtp.recovery._workload import check_pair, drain, prepared_branches, engine, setup_database, write_config
 
 
-@pytest.fixture
-def own_pg(tmp_path):
-    server = EmbeddedPostgres(tmp_path / "own-pg")
+def _throw_away(server):
     server.start()
     yield server
     server.destroy()
+
+
+@pytest.fixture
+def own_pg(tmp_path):
+    yield from _throw_away(EmbeddedPostgres(tmp_path / "own-pg"))
 
 
 @pytest.fixture
 def own_maria(tmp_path):
-    server = EmbeddedMariaDB(tmp_path / "own-maria")
-    server.start()
-    yield server
-    server.destroy()
+    yield from _throw_away(EmbeddedMariaDB(tmp_path / "own-maria"))
 
 
 class Child:

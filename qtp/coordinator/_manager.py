@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -63,6 +64,7 @@ class TransactionManager:
         self._closed = False
         self._in_flight: dict[str, Transaction] = {}  # begun, not finished (recovery leaves them alone)
         self._reaper: threading.Thread | None = None
+        self._parallel_limit = os.cpu_count() or 1
         self._in_flight_lock = threading.Lock()
 
     @classmethod
@@ -200,8 +202,13 @@ class TransactionManager:
 
     def fan_out(self, fn: Callable[[int, Any], Any], items: list[Any]) -> list[Any]:
         """Apply ``fn(index, item)`` to every item at once: one round trip per phase, not one per branch.
-        The first item runs on the calling thread. Results are values or the exceptions raised."""
-        if len(items) <= 1:
+
+        The first item runs on the calling thread, the others on pool threads. When more transactions are in
+        flight than there are CPUs, the items run one after another on the calling thread instead (measured in
+        benchmarks/RESULTS.md). Results are values or the exceptions raised."""
+        if len(items) <= 1 or len(self._in_flight) > self._parallel_limit:
+            # Saturated: other transactions' round trips already overlap ours, and handing branches to
+            # pool threads would only spend the CPU everyone is queueing for.
             return run_each(fn, items)
         futures = [self._pool.submit(run_each, lambda i, it, k=k: fn(k, it), [item])
                    for k, item in enumerate(items[1:], start=1)]

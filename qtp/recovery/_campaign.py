@@ -208,7 +208,7 @@ class Campaign:
         return self.summary(time.monotonic() - began)
 
     def cycle(self, pair: Pair) -> None:
-        scenario = self.rng.choice(self.scenarios)
+        scenario = self._scenario()
         route = self.rng.choice(("cli", "auto"))
         record = {"pair": pair.name, "scenario": scenario, "route": route, "violations": []}
         spec = None
@@ -242,6 +242,13 @@ class Campaign:
         else:
             self.pending[pair.name] = record
         self.kills.append(record)
+
+    def _scenario(self) -> str:
+        """Half the kills are random SIGKILLs (when enabled), the rest spread evenly over the failpoints."""
+        points = [s for s in self.scenarios if s != "sigkill"]
+        if not points or ("sigkill" in self.scenarios and self.rng.random() < 0.5):
+            return "sigkill"
+        return self.rng.choice(points)
 
     def _ready(self, child: Child, pair: Pair, record: dict) -> dict | None:
         """Wait for READY; run the pending auto-route check; retry recovery passes that were not clean."""

@@ -58,6 +58,12 @@ class PostgresResource(SqlResource):
             raw.rollback()
         raw.tpc_begin(_pg_xid(raw, xid))
 
+    def _idle(self, branch: SqlBranch) -> bool:
+        """libpq knows, without a round trip, whether BEGIN was ever sent: even work done on the raw DBAPI
+        connection, which SQLAlchemy does not see, is caught."""
+        idle = branch.raw.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+        return branch.statements == 0 and idle
+
     def _wrote_nothing(self, branch: SqlBranch) -> bool:
         with self.translate("prepare (read-only check)", branch.xid), branch.raw.cursor() as cur:
             cur.execute("SELECT txid_current_if_assigned() IS NULL")

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import sqlalchemy
-from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.engine.url import URL
 
@@ -70,34 +69,50 @@ def identity_of(url: URL) -> tuple:
     return (family, host, url.port, url.database, url.username)
 
 
+def _reads_only(statement: Any) -> bool:
+    """True for a statement that cannot write: a SELECT (Core or text), SHOW, EXPLAIN, a savepoint."""
+    if isinstance(statement, str):
+        return bool(_READ_ONLY.match(statement))
+    if getattr(statement, "is_select", False):
+        return True
+    text_ = getattr(statement, "text", None)
+    return isinstance(text_, str) and bool(_READ_ONLY.match(text_))
+
+
 class BranchConnection(Connection):
     """A SQLAlchemy Connection bound to one branch; unusable once the branch leaves the application."""
 
     _qtp_open: bool = False
     _qtp_xid: Xid | None = None
+    _qtp_branch: "SqlBranch | None" = None
 
-    def _qtp_check(self) -> None:
-        if not self._qtp_open:
+    def _qtp_note(self, statement: Any) -> None:
+        """Refuse work after the branch ended; otherwise count the statement, and whether it may write."""
+        branch = self._qtp_branch
+        if not self._qtp_open or branch is None:
             raise ConnectionClosedError(
                 f"this connection belonged to transaction {self._qtp_xid} which has ended; take a new one "
                 "with tx.connection(name) inside a `with qtp.transaction()` block"
             )
+        branch.statements += 1
+        if not _reads_only(statement):
+            branch.writes += 1
 
-    def execute(self, *args: Any, **kw: Any) -> Any:
-        self._qtp_check()
-        return super().execute(*args, **kw)
+    def execute(self, statement: Any, *args: Any, **kw: Any) -> Any:
+        self._qtp_note(statement)
+        return super().execute(statement, *args, **kw)
 
-    def exec_driver_sql(self, *args: Any, **kw: Any) -> Any:
-        self._qtp_check()
-        return super().exec_driver_sql(*args, **kw)
+    def exec_driver_sql(self, statement: Any, *args: Any, **kw: Any) -> Any:
+        self._qtp_note(statement)
+        return super().exec_driver_sql(statement, *args, **kw)
 
-    def scalar(self, *args: Any, **kw: Any) -> Any:
-        self._qtp_check()
-        return super().scalar(*args, **kw)
+    def scalar(self, statement: Any, *args: Any, **kw: Any) -> Any:
+        self._qtp_note(statement)
+        return super().scalar(statement, *args, **kw)
 
-    def scalars(self, *args: Any, **kw: Any) -> Any:
-        self._qtp_check()
-        return super().scalars(*args, **kw)
+    def scalars(self, statement: Any, *args: Any, **kw: Any) -> Any:
+        self._qtp_note(statement)
+        return super().scalars(statement, *args, **kw)
 
     def commit(self) -> None:
         raise TransactionStateError(
@@ -148,20 +163,9 @@ class SqlResource(Resource):
         self._branches: dict[Xid, SqlBranch] = {}
         self._lock = threading.Lock()
         self._counters: Counter = Counter()
-        event.listen(self.engine, "before_cursor_execute", self._watch)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} {self.display_url}>"
-
-    # ------------------------------------------------------------------ statement watching
-
-    @staticmethod
-    def _watch(conn: Connection, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
-        branch = conn.info.get("qtp_branch")
-        if branch is not None:
-            branch.statements += 1
-            if not _READ_ONLY.match(statement):
-                branch.writes += 1
 
     def _count(self, what: str) -> None:
         self._counters[what] += 1
@@ -201,8 +205,7 @@ class SqlResource(Resource):
                 conn.close()
                 raise
         branch = SqlBranch(xid, conn, raw)
-        conn.info["qtp_branch"] = branch
-        conn._qtp_open, conn._qtp_xid = True, xid
+        conn._qtp_open, conn._qtp_xid, conn._qtp_branch = True, xid, branch
         conn.begin()
         with self._lock:
             self._branches[xid] = branch
@@ -218,12 +221,16 @@ class SqlResource(Resource):
         return branch
 
     def may_have_written(self, xid: Xid) -> bool:
-        return self._branch(xid, "may_have_written").statements > 0
+        return not self._idle(self._branch(xid, "may_have_written"))
+
+    def _idle(self, branch: SqlBranch) -> bool:
+        """Did the branch certainly run nothing? (Statements through SQLAlchemy are counted.)"""
+        return branch.statements == 0
 
     def prepare(self, xid: Xid) -> Vote:
         branch = self._branch(xid, "prepare")
         branch.conn._qtp_open = False
-        if branch.statements == 0 or (branch.writes == 0 and self._wrote_nothing(branch)):
+        if self._idle(branch) or (branch.writes == 0 and self._wrote_nothing(branch)):
             self._finish(branch, self._xa_end_read_only, "read-only")
             return Vote.READ_ONLY
         with self.translate("prepare", xid):
@@ -244,7 +251,7 @@ class SqlResource(Resource):
             self._resolve(xid, commit=True)
             return
         branch.conn._qtp_open = False
-        if one_phase and branch.statements == 0:
+        if one_phase and self._idle(branch):
             self._finish(branch, self._xa_end_read_only, "read-only")
             return
         if one_phase:
@@ -268,7 +275,7 @@ class SqlResource(Resource):
         """
         with self._lock:
             self._branches.pop(branch.xid, None)
-        branch.conn.info.pop("qtp_branch", None)
+        branch.conn._qtp_branch = None
         try:
             with self.translate(what, branch.xid):
                 step(branch.raw, branch.xid)
