@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from reconcile_support import spark  # noqa: F401  (session fixture)
 
+import qtp.reconcile
 from qtp import cli
 from qtp.embedded import free_port
 from qtp.errors import ConfigurationError
 from qtp.reconcile import TableSpec, reconcile
+from qtp.reconcile._sources import find_jdbc_jars
 
 KEYS = range(1, 301)
 LOST = {3, 50, 77}
@@ -200,3 +206,21 @@ def test_the_command_line_exits_2_with_one_line_on_bad_input(small_tables, spark
     assert code == 2
     err = capsys.readouterr().err
     assert "qtp reconcile: error:" in err and "has no column 'missing'" in err
+
+
+def test_spark_submit_runs_the_module(small_tables, tmp_path):
+    client_url, server_url = small_tables
+    venv_bin = Path(sys.executable).parent
+    report = tmp_path / "r.json"
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    proc = subprocess.run(
+        [str(venv_bin / "spark-submit"), "--master", "local[1]", "--conf", "spark.ui.enabled=false",
+         "--jars", ",".join(find_jdbc_jars({"postgresql", "mysql"})),
+         str(Path(qtp.reconcile.__file__).parent / "__main__.py"), "--quiet",
+         "--client-url", client_url, "--client-table", "outbox", "--server-url", server_url,
+         "--server-table", "applied", "--key", "id=msg_id", "--columns", "amount", "--json", str(report)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(report.read_text())["counts"]["ok"] == 2
+    assert "verdict: exactly-once" in proc.stdout

@@ -24,8 +24,9 @@ from qtp.reconcile._sources import (
     [
         ("postgresql://u:pw@db1:6543/app", "jdbc:postgresql://db1:6543/app"),
         ("postgresql+psycopg2://postgres@127.0.0.1/app", "jdbc:postgresql://127.0.0.1:5432/app"),
-        ("mysql+pymysql://root@127.0.0.1:3307/app", "jdbc:mysql://127.0.0.1:3307/app"),
-        ("mariadb+pymysql://root@h/app", "jdbc:mysql://h:3306/app"),
+        ("mysql+pymysql://root@127.0.0.1:3307/app",
+         "jdbc:mysql://127.0.0.1:3307/app?sessionVariables=net_write_timeout=3600"),
+        ("mariadb+pymysql://root@h/app", "jdbc:mysql://h:3306/app?sessionVariables=net_write_timeout=3600"),
     ],
 )
 def test_jdbc_url_is_derived_from_the_sqlalchemy_url(url, expected):

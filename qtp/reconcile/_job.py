@@ -316,7 +316,6 @@ def _write_anomalies(frame: DataFrame, parquet: str | None, table: tuple[str, st
     if table:
         url_text, name = table
         url = parse_url(url_text, "anomalies")
-        backend_of(url)
         say(f"writing the per-key anomalies to {url.render_as_string(hide_password=True)} table {name}")
         frame.write.mode("overwrite").jdbc(jdbc_url(url), quote_table(name, backend_of(url)),
                                            properties=jdbc_properties(url, 10_000))

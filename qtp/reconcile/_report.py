@@ -142,7 +142,7 @@ def _samples_table(cls: str, rows: list[dict], names: list[str], total: int) -> 
     )
     body = []
     for row in rows:
-        cells = [html.escape(str(row["key"])), html.escape(str(row["status"])), str(row["copies"])]
+        cells = [html.escape(str(row["key"])), html.escape(row["status"] or "(not sent)"), str(row["copies"])]
         client, server = row["client"] or {}, row["server"] or {}
         for name in names:
             mark = " class='violated'" if name in (row.get("differing") or []) else ""

@@ -97,7 +97,12 @@ def jdbc_url(url: URL) -> str:
     backend = backend_of(url)
     host = url.host or "localhost"
     port = url.port or (5432 if backend == "postgresql" else 3306)
-    return f"jdbc:{_JDBC_SCHEME[backend]}://{host}:{port}/{url.database or ''}"
+    jdbc = f"jdbc:{_JDBC_SCHEME[backend]}://{host}:{port}/{url.database or ''}"
+    if backend == "mysql":
+        # A streamed result set must be read within net_write_timeout (60 s by default) of the server's last
+        # write; a Spark task that spills or waits for a core may pause longer than that.
+        jdbc += "?sessionVariables=net_write_timeout=3600"
+    return jdbc
 
 
 def jdbc_properties(url: URL, fetchsize: int) -> dict[str, str]:
