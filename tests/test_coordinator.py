@@ -406,3 +406,34 @@ def test_work_on_the_raw_dbapi_connection_is_not_mistaken_for_idle(tm, pg_db):
         tx.connection("b").execute(text("UPDATE accounts SET balance = balance + 3 WHERE id = 1"))
     assert sent(tm, "a")["prepare"] == 1 and sent(tm, "b")["prepare"] == 1
     assert balances(a)[1] == BALANCE - 3 and balances(b)[1] == BALANCE + 3
+
+
+@pytest.mark.parametrize("point, outcome", [
+    ("before_prepare", Outcome.ROLLED_BACK),
+    ("after_prepare_1", Outcome.ROLLED_BACK),
+    ("after_decision_forced", Outcome.COMMITTED_PENDING),
+    ("before_end_record", Outcome.COMMITTED_PENDING),
+])
+def test_an_error_inside_the_commit_path_settles_the_transaction(tm, pg_db, maria_db, point, outcome):
+    """Cut short by an unexpected error, the commit path leaves nothing open: before the decision every branch
+    is rolled back, after it every branch ends committed (by the background retry), locks released."""
+    from qtp.coordinator import failpoints
+
+    a, b = make_accounts(pg_db("a")), make_accounts(maria_db("b"))
+    tm.add_resource("a", a.url)
+    tm.add_resource("b", b.url)
+    failpoints.configure(f"{point}=error")
+    try:
+        with pytest.raises((failpoints.FailpointError, RollbackError)):
+            with qtp.transaction() as tx:
+                transfer(tx, 10)
+    finally:
+        failpoints.configure(None)
+    assert tx.outcome is outcome
+    tm.wait_retries()
+    moved = 10 if outcome is Outcome.COMMITTED_PENDING else 0
+    assert balances(a)[1] == BALANCE - moved and balances(b)[1] == BALANCE + moved
+    assert prepared_left(a) == prepared_left(b) == 0
+    assert tm.in_flight() == set()
+    with qtp.transaction() as tx:  # nothing left locked
+        transfer(tx, 1)

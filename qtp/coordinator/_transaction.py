@@ -181,6 +181,15 @@ class Transaction:
             raise RollbackError(f"transaction {self.xid} rolled back: flushing a session failed: {exc}") from exc
         self._move(State.PREPARING)
         self._close_sessions()
+        try:
+            self._two_phase_commit()
+        except RollbackError:
+            raise
+        except BaseException as exc:  # anything unforeseen (a failpoint, an interrupt): settle, then re-raise
+            self._settle_after(exc)
+            raise
+
+    def _two_phase_commit(self) -> None:
         branches = self._drop_idle(list(self._branches.values()))
         if len(branches) <= 1:
             self._commit_one_phase(branches)
@@ -191,6 +200,21 @@ class Transaction:
             return
         self._decide(prepared)
         self._phase_two(prepared)
+
+    def _settle_after(self, exc: BaseException) -> None:
+        """The commit path was cut by an unexpected error. Before the decision: roll everything back.
+        After it: the transaction is committed; the background retry (then recovery) commits what is left."""
+        if self.state is State.PREPARING:
+            self._move(State.ROLLING_BACK)
+            self._rollback_all(list(self._branches.values()))
+            self.state = State.ROLLED_BACK
+        elif self.state is State.COMMITTING:
+            branches = list(self._branches.values())
+            self.pending = [xid.branch for _, xid in branches]
+            log.critical("transaction %s is committed but its phase 2 was interrupted (%r); committing the "
+                         "branches in the background", self.xid, exc)
+            self.state = State.COMMITTED_PENDING
+            self.manager.retry_phase_two(self.xid, branches)
 
     def _drop_idle(self, branches: list[tuple[Resource, Xid]]) -> list[tuple[Resource, Xid]]:
         """End the branches that did no work (read-only, no round trip); return the others."""
