@@ -70,7 +70,25 @@ def _prepare_my(url: str, xids: list[Xid]) -> None:
         conn.close()
 
 
+def clean(pg_url: str, my_url: str) -> None:
+    """Roll back what an interrupted earlier run of this benchmark left prepared."""
+    pg, my = _pg(pg_url), _my(my_url)
+    with pg.cursor() as cur:
+        cur.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")
+        for (gid,) in cur.fetchall():
+            cur.execute(f"ROLLBACK PREPARED '{gid}'")
+    with my.cursor() as cur:
+        cur.execute("XA RECOVER FORMAT='SQL'")
+        for row in cur.fetchall():
+            xid = Xid.from_mysql(row[3].decode() if isinstance(row[3], bytes) else row[3])
+            if xid is not None and xid.belongs_to(NODE):
+                cur.execute(f"XA ROLLBACK {xid.to_mysql()}")
+    pg.close()
+    my.close()
+
+
 def setup(pg_url: str, my_url: str, log_root: Path, transactions: int) -> list[bytes]:
+    clean(pg_url, my_url)
     for conn in (_pg(pg_url), _my(my_url)):
         with conn.cursor() as cur:
             cur.execute("DROP TABLE IF EXISTS bench")
@@ -118,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     transactions = args.branches // 2
     pg = EmbeddedPostgres(ROOT / "pg", max_prepared_transactions=transactions + 200)
     pg.start()
+    probe = _pg(pg.info.url())
+    with probe.cursor() as cur:
+        cur.execute("SHOW max_prepared_transactions")
+        too_few = int(cur.fetchone()[0]) < transactions
+    probe.close()
+    if too_few:  # a server left running by a smaller run: restart it with enough slots
+        pg.stop()
+        pg.start()
     maria = EmbeddedMariaDB(ROOT / "mariadb")
     maria.start()
     pg_url, my_url = pg.create_database("recovery_bench"), maria.create_database("recovery_bench")

@@ -318,8 +318,8 @@ def _end_records(plan: Plan, resources: list[Resource], report: RecoveryReport, 
                 complete = False
             else:
                 rows.append(Row(f"{gtrid}#{branch}", branch, None, "commit", "end record",
-                                "not in doubt: committed before the crash (not verifiable: the database "
-                                "keeps no record of who resolved it)"))
+                                "not in doubt: committed before the crash, or resolved by hand (possibly "
+                                "heuristic; not verifiable: the database keeps no record of it)"))
         if not complete:
             continue
         if not dry_run and end is not None:
