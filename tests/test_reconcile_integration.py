@@ -224,3 +224,18 @@ def test_spark_submit_runs_the_module(small_tables, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(report.read_text())["counts"]["ok"] == 2
     assert "verdict: exactly-once" in proc.stdout
+
+
+def test_progress_is_reported_and_a_client_key_without_unique_index_is_warned_about(small_tables, spark):
+    client_url, server_url = small_tables
+    seen: list[str] = []
+    result = reconcile(TableSpec(server_url, "applied", "msg_id", ("amount",)), TableSpec(client_url, "outbox", "id"),
+                       spark=spark, log=seen.append)
+    assert result.counts["ok"] == 2
+    assert any("client key 'msg_id' has no primary key or unique index" in line for line in seen)
+    assert any(line.startswith("client: mysql+pymysql://") and "key in [1, 2]" in line for line in seen)
+    assert seen[-1].startswith("done in") and seen[-1].endswith("exactly-once")
+    seen.clear()
+    reconcile(TableSpec(client_url, "outbox", "id", ("amount",)), TableSpec(server_url, "applied", "msg_id"),
+              spark=spark, log=seen.append)
+    assert not any("unique index" in line for line in seen)

@@ -261,13 +261,15 @@ def reconcile(
 
     say(f"checking client {client.table} and server {server.table}")
     probed_c, probed_s = probe(client, "client"), probe(server, "server")
+    if not probed_c.key_is_unique:
+        say(f"warning: client key {client.key!r} has no primary key or unique index; a key the client holds "
+            "twice is counted as two messages")
     if spark is None:
         spark = spark_session(master, spark_conf, {probed_c.backend, probed_s.backend})
     parts = partitions or max(2, 2 * spark.sparkContext.defaultParallelism)
     for side, probed in (("client", probed_c), ("server", probed_s)):
-        bounds = probed.key_bounds
-        span = f"key in [{bounds.lower}, {bounds.upper}]" if bounds else "key hashed" if not probed.key_is_integer else "empty"
-        say(f"{side}: {probed.display_url} table {probed.spec.table}, {span}, {parts} partitions, fetchsize {fetchsize}")
+        say(f"{side}: {probed.display_url} table {probed.spec.table}, {_split(probed)}, {parts} partitions, "
+            f"fetchsize {fetchsize}")
 
     with spark_errors("reading the tables over JDBC"):
         client_df = _read(spark, probed_c, parts, fetchsize)
@@ -278,7 +280,6 @@ def reconcile(
         C.server_side(server_df, server.key, server_pairs),
         names,
     )
-
     if anomalies_parquet or anomalies_table:
         with spark_errors("writing the anomalies"):
             _write_anomalies(C.anomalies(classified, names), anomalies_parquet, anomalies_table, say)
@@ -287,20 +288,32 @@ def reconcile(
     with spark_errors("classifying"):
         groups = C.summarize(classified, names, sample_size).collect()
     result = _result(groups, names, sample_size)
-    finished = time.time()
+    rows = result.metadata
     result.metadata = {
-        "client": _side_meta(probed_c, result.metadata.pop("client_rows")),
-        "server": _side_meta(probed_s, result.metadata.pop("server_rows")),
+        "client": _side_meta(probed_c, rows["client_rows"]),
+        "server": _side_meta(probed_s, rows["server_rows"]),
         "columns": [{"name": n, "client": c, "server": s} for (n, c), (_, s) in zip(pairs, server_pairs)],
-        "started_at": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
-        "finished_at": datetime.fromtimestamp(finished, timezone.utc).isoformat(timespec="seconds"),
-        "seconds": round(finished - started, 3),
+        **_timing(started, time.time()),
         "spark": {"master": spark.sparkContext.master, "version": spark.version, "partitions_per_side": parts,
                   "fetchsize": fetchsize},
         "sample_size": sample_size,
     }
-    say(f"done in {finished - started:.1f}s: {result.verdict}")
+    say(f"done in {result.metadata['seconds']:.1f}s: {result.verdict}")
     return result
+
+
+def _split(probed: ProbedTable) -> str:
+    """How a side's read is split, for the progress line."""
+    if probed.key_bounds is not None:
+        return f"key in [{probed.key_bounds.lower}, {probed.key_bounds.upper}]"
+    return "key hashed" if not probed.key_is_integer else "empty table"
+
+
+def _timing(started: float, finished: float) -> dict:
+    def iso(t: float) -> str:
+        return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
+
+    return {"started_at": iso(started), "finished_at": iso(finished), "seconds": round(finished - started, 3)}
 
 
 def _side_meta(probed: ProbedTable, rows: int) -> dict:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -68,7 +68,7 @@ class ProbedTable:
     display_url: str  # the URL with any password masked
     key_bounds: Bounds | None  # None when the key is not an integer or the table is empty
     key_is_integer: bool
-    extra: dict = field(default_factory=dict)
+    key_is_unique: bool = True  # a primary key or unique index on the key column alone
 
 
 def backend_of(url: URL) -> str:
@@ -149,6 +149,7 @@ def probe(spec: TableSpec, side: str) -> ProbedTable:
             table = _reflect(conn, spec, side, shown)
             key_col = table.c[spec.key]
             key_is_integer = _is_integer_type(key_col.type)
+            key_is_unique = _is_unique(table, spec.key)
             bounds = None
             if key_is_integer:
                 lo, hi = conn.execute(sa.select(sa.func.min(key_col), sa.func.max(key_col))).one()
@@ -161,7 +162,14 @@ def probe(spec: TableSpec, side: str) -> ProbedTable:
     finally:
         engine.dispose()
     return ProbedTable(spec=spec, backend=backend, display_url=shown, key_bounds=bounds,
-                       key_is_integer=key_is_integer)
+                       key_is_integer=key_is_integer, key_is_unique=key_is_unique)
+
+
+def _is_unique(table: sa.Table, column: str) -> bool:
+    keys = [table.primary_key.columns.keys()]
+    keys += [index.columns.keys() for index in table.indexes if index.unique]
+    keys += [c.columns.keys() for c in table.constraints if isinstance(c, sa.UniqueConstraint)]
+    return [column] in keys
 
 
 def _with_installed_driver(url: URL) -> URL:
