@@ -189,7 +189,7 @@ class Campaign:
         self.max_delay_s = max_delay_s
         self.log = log
         self.kills: list[dict] = []
-        self.pending: dict[str, dict | None] = {p.name: None for p in pairs}  # kill awaiting its auto recovery
+        self.pending: dict[str, list[dict]] = {p.name: [] for p in pairs}  # kills awaiting their auto recovery
         self.done: dict[str, set[str]] = {p.name: set() for p in pairs}
         self.started: dict[str, set[str]] = {p.name: set() for p in pairs}
         self.recovery_runs = 0
@@ -203,6 +203,9 @@ class Campaign:
                 self.log(f"time budget of {deadline_s:.0f} s reached after {n} kills")
                 break
             self.cycle(self.pairs[n % len(self.pairs)])
+            if (n + 1) % 100 == 0:
+                bad = sum(1 for r in self.kills if r["violations"])
+                self.log(f"{n + 1} kills, {time.monotonic() - began:.0f} s, {bad} with violations")
         for pair in self.pairs:
             self.settle(pair)
         return self.summary(time.monotonic() - began)
@@ -236,11 +239,11 @@ class Campaign:
         drain(pair.url_b)
         if scenario == "recovery_after_action":
             self._crash_recovery(pair, record, route)
-        if route == "cli":
+        self.pending[pair.name].append(record)
+        if route == "cli":  # also settles earlier kills whose next start was itself killed before recovering
             self._recover_cli(pair, record, spec=None)
-            self._check(pair, record)
-        else:
-            self.pending[pair.name] = record
+            self._check(pair, self.pending[pair.name])
+            self.pending[pair.name] = []
         self.kills.append(record)
 
     def _scenario(self) -> str:
@@ -258,7 +261,7 @@ class Campaign:
             return None
         report = json.loads(line[6:])
         pending = self.pending[pair.name]
-        if pending is not None:
+        if pending:
             self.recovery_runs += 1
             attempts = 1
             while not report["ok"] and attempts < 6:
@@ -268,11 +271,11 @@ class Campaign:
                 attempts += 1
             self.recovery_retries += attempts - 1
             self.recovery_seconds.append(report.get("duration_s", 0.0))
-            pending["recovery"] = report
+            pending[-1]["recovery"] = report
             if not report.get("ok"):
-                pending["violations"].append(f"start-up recovery not clean: {report.get('reasons')}")
+                pending[-1]["violations"].append(f"start-up recovery not clean: {report.get('reasons')}")
             self._check(pair, pending)
-            self.pending[pair.name] = None
+            self.pending[pair.name] = []
         return report
 
     def _crash_recovery(self, pair: Pair, record: dict, route: str) -> None:
@@ -312,23 +315,25 @@ class Campaign:
         if failed:
             record["failed"] = failed[:3]
 
-    def _check(self, pair: Pair, record: dict) -> None:
+    def _check(self, pair: Pair, records: list[dict]) -> None:
+        """Check the pair once after recovery; classify the transfer each of ``records`` (kills) cut off."""
         check = check_pair(pair.url_a, pair.url_b, pair.node_id, self.done[pair.name], self.started[pair.name])
-        record["violations"] += check.violations
-        record["update_s"] = round(check.update_s, 4)
-        tid = record.get("in_progress")
-        record["outcome"] = "no transfer in progress" if tid is None else (
-            "committed" if check.committed(tid) else "rolled back")
-        expected = EXPECTED.get(record["scenario"])
-        if expected and tid is not None and record["outcome"] != expected:
-            record["violations"].append(f"crash at {record['scenario']}: transfer {record['outcome']}, "
-                                        f"expected {expected}")
-        if record["violations"]:
-            self.log(f"VIOLATION {json.dumps(record)}")
+        for record in records:
+            record["violations"] += check.violations
+            record["update_s"] = round(check.update_s, 4)
+            tid = record.get("in_progress")
+            record["outcome"] = "no transfer in progress" if tid is None else (
+                "committed" if check.committed(tid) else "rolled back")
+            expected = EXPECTED.get(record["scenario"])
+            if expected and tid is not None and record["outcome"] != expected:
+                record["violations"].append(f"crash at {record['scenario']}: transfer {record['outcome']}, "
+                                            f"expected {expected}")
+            if record["violations"]:
+                self.log(f"VIOLATION {json.dumps(record)}")
 
     def settle(self, pair: Pair) -> None:
         """Recover the pair's last kill if it waits for an automatic start-up recovery."""
-        if self.pending[pair.name] is None:
+        if not self.pending[pair.name]:
             return
         child = fork_child(pair.config, None, 0)
         if self._ready(child, pair, {"violations": []}) is not None:
