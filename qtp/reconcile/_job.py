@@ -25,6 +25,7 @@ from qtp.reconcile import _classify as C
 from qtp.reconcile._sources import (
     ProbedTable,
     TableSpec,
+    backend_of,
     find_jdbc_jars,
     hash_predicates,
     jdbc_properties,
@@ -33,14 +34,13 @@ from qtp.reconcile._sources import (
     probe,
     quote_table,
     read_options,
-    backend_of,
 )
 
 Log = Callable[[str], None]
 
 
 class ReconcileError(QtpError):
-    """The Spark job failed while reading or classifying; the message carries Spark's first line."""
+    """The Spark job failed while reading or classifying; the message names the step and the root cause."""
 
     retryable = True
 
