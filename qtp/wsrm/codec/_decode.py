@@ -8,6 +8,11 @@ documents deeper than 256 levels and qtp refuses deeper than ``max_depth``. Ever
 Tolerant: blanks around numbers and identifiers, unknown extension elements and attributes (the schemas'
 ``xs:any ##other``), comments, unmerged or unsorted acknowledgement ranges, and either WS-Addressing
 version are all accepted. Unknown headers are ignored unless they carry mustUnderstand.
+
+Speed (benchmarks/wsrm_codec.py): every element name is compared as a precomputed ``{namespace}local``
+string, header blocks are dispatched by that name through a dict, children are looked up with lxml's
+C-level tag filter, and the acknowledgement ranges' attributes are read by compiled XPath expressions,
+so that no Python object is made for a range element unless the message is malformed.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 from lxml import etree
 
 from qtp.wsrm.codec._envelope import Addressing, Envelope, InvalidMessage, SoapFault
-from qtp.wsrm.codec._names import RM_BY_NS, SOAP_BY_NS, SOAP_NS, WSA_BY_NS, SoapVersion, WsaVersion
+from qtp.wsrm.codec._names import RM_BY_NS, RM_NS, SOAP_BY_NS, SOAP_NS, WSA_BY_NS, SoapVersion, WsaVersion
 from qtp.wsrm.protocol import (
     MAX_MESSAGE_NUMBER,
     AckRequested,
@@ -57,6 +62,39 @@ _FAULT_CODES = {code.value: code for code in FaultCode}
 _TRUE = {"1", "true"}
 SENDER = "Sender"
 
+_ENVELOPE = {f"{{{ns}}}Envelope": version for ns, version in SOAP_BY_NS.items()}
+_HEADER = {version: f"{{{ns}}}Header" for version, ns in SOAP_NS.items()}
+_BODY_TAG = {version: f"{{{ns}}}Body" for version, ns in SOAP_NS.items()}
+_FAULT = {version: f"{{{ns}}}Fault" for version, ns in SOAP_NS.items()}
+_MUST_UNDERSTAND = {version: f"{{{ns}}}mustUnderstand" for version, ns in SOAP_NS.items()}
+_UTF8 = {"UTF-8", "utf-8"}
+
+_WSA_TEXT = {"To": "to", "Action": "action", "MessageID": "message_id", "RelatesTo": "relates_to"}
+_WSA_EPR = {"ReplyTo": "reply_to", "From": "from_", "FaultTo": "fault_to"}
+# {ns}local of every addressing header qtp reads -> (Addressing field, local name if an EPR, version)
+_WSA_HEADERS = {
+    f"{{{ns}}}{local}": (field, local if local in _WSA_EPR else None, version)
+    for ns, version in WSA_BY_NS.items()
+    for local, field in (_WSA_TEXT | _WSA_EPR).items()
+}
+_WSA_ADDRESS = {f"{{{ns}}}Address": version for ns, version in WSA_BY_NS.items()}
+
+_RM_LOCALS = (
+    "Identifier", "MessageNumber", "LastMessage", "AcknowledgementRange", "Nack", "None", "Final",
+    "MaxMessageNumberUsed", "FaultCode", "AcksTo", "Offer", "Endpoint", "Expires", "IncompleteSequenceBehavior",
+    "Accept", "LastMsgNumber",
+)
+_RM_TAGS = {version: {local: f"{{{ns}}}{local}" for local in _RM_LOCALS} for version, ns in RM_NS.items()}
+
+
+def _xpath(expression: str, version: RMVersion) -> etree.XPath:
+    return etree.XPath(expression, namespaces={"rm": RM_NS[version]}, smart_strings=False)
+
+
+_RANGE_LOWERS = {version: _xpath("rm:AcknowledgementRange/@Lower", version) for version in RMVersion}
+_RANGE_UPPERS = {version: _xpath("rm:AcknowledgementRange/@Upper", version) for version in RMVersion}
+_RANGE_COUNT = {version: _xpath("count(rm:AcknowledgementRange)", version) for version in RMVersion}
+
 
 @functools.lru_cache(maxsize=8)
 def _deeper_than(max_depth: int) -> etree.XPath:
@@ -79,6 +117,16 @@ def _bad(reason: str, code: str = SENDER) -> InvalidMessage:
     return InvalidMessage(code, reason)
 
 
+def _identifier(element: Any, parent: Any) -> str:
+    """The text of ``element``, ``parent``'s Identifier, which must be present and not empty."""
+    if element is None:
+        raise _bad(f"{_split(parent.tag)[1]} lacks its Identifier")
+    value = _text(element)
+    if not value:
+        raise _bad(f"{_split(parent.tag)[1]} has an empty Identifier")
+    return value
+
+
 def parse_duration(text: str) -> float:
     """Seconds in an xs:duration; a year counts 365 days and a month 30 (WS-RM uses short durations)."""
     match = _DURATION.fullmatch(text.strip())
@@ -91,39 +139,41 @@ def parse_duration(text: str) -> float:
 
 
 class _Reader:
-    """One decode call: remembers which WS-RM and WS-Addressing versions the message used."""
+    """One decode call: the versions the message used, and the headers read so far."""
+
+    __slots__ = ("soap", "rm", "tags", "wsa", "fault_code", "addressing", "sequence", "acks", "ack_requests")
 
     def __init__(self, soap: SoapVersion):
         self.soap = soap
         self.rm: RMVersion | None = None
-        self.rm_ns = ""
+        self.tags: dict[str, str] = {}
         self.wsa: WsaVersion | None = None
         self.fault_code: FaultCode | None = None
+        self.addressing: dict[str, str] = {}
+        self.sequence: Sequence | None = None
+        self.acks: list[SequenceAcknowledgement] = []
+        self.ack_requests: list[AckRequested] = []
 
-    def see_rm(self, ns: str) -> None:
-        version = RM_BY_NS[ns]
-        if self.rm is not None and version is not self.rm:
-            raise _bad("the message mixes WS-RM 1.0 and WS-RM 1.1 elements")
-        self.rm, self.rm_ns = version, ns
+    def see_rm(self, version: RMVersion) -> None:
+        if self.rm is not version:
+            if self.rm is not None:
+                raise _bad("the message mixes WS-RM 1.0 and WS-RM 1.1 elements")
+            self.rm, self.tags = version, _RM_TAGS[version]
 
-    def see_wsa(self, ns: str) -> None:
-        version = WSA_BY_NS[ns]
-        if self.wsa is not None and version is not self.wsa:
-            raise _bad("the message mixes two WS-Addressing versions")
-        self.wsa = version
+    def see_wsa(self, version: WsaVersion) -> None:
+        if self.wsa is not version:
+            if self.wsa is not None:
+                raise _bad("the message mixes two WS-Addressing versions")
+            self.wsa = version
 
     def child(self, parent: Any, local: str, required: bool = True) -> Any:
-        tag = f"{{{self.rm_ns}}}{local}"
-        element = next((c for c in parent if c.tag == tag), None)  # cheaper than find() for a few children
+        element = next(parent.iterchildren(self.tags[local]), None)
         if element is None and required:
             raise _bad(f"{_split(parent.tag)[1]} lacks its {local}")
         return element
 
     def identifier(self, parent: Any) -> str:
-        value = _text(self.child(parent, "Identifier"))
-        if not value:
-            raise _bad(f"{_split(parent.tag)[1]} has an empty Identifier")
-        return value
+        return _identifier(self.child(parent, "Identifier", required=False), parent)
 
     def number(self, text: str, what: str) -> int:
         text = text.strip()
@@ -155,8 +205,9 @@ class _Reader:
 
     def address(self, epr: Any, what: str) -> str:
         for child in epr:
-            if isinstance(child.tag, str) and child.tag.endswith("}Address") and _split(child.tag)[0] in WSA_BY_NS:
-                self.see_wsa(_split(child.tag)[0])
+            version = _WSA_ADDRESS.get(child.tag)
+            if version is not None:
+                self.see_wsa(version)
                 value = _text(child)
                 if value:
                     return value
@@ -189,19 +240,21 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = 
         raise TypeError(f"decode takes bytes, not {type(data).__name__}")
     if len(data) > max_bytes:
         raise _bad(f"the envelope has {len(data)} bytes, more than the limit of {max_bytes}")
-    if b"<!DOCTYPE" in data or b"<!ENTITY" in data:
+    if b"<!DOCTYPE" in data:  # entities can only be declared inside one; other encodings: docinfo below
         raise _bad("DTDs and entity declarations are not accepted")
+    data = bytes(data)
     try:
-        root = etree.fromstring(bytes(data), _PARSER)
+        root = etree.fromstring(data, _PARSER)
     except etree.XMLSyntaxError as exc:
         raise _bad(f"the envelope is not well-formed XML: {exc}") from exc
-    if root.getroottree().docinfo.doctype:
+    docinfo = root.getroottree().docinfo
+    if docinfo.doctype:
         raise _bad("DTDs are not accepted")
-    if _deeper_than(max_depth)(root):
+    if not _fewer_elements_than(data, docinfo.encoding, max_depth) and _deeper_than(max_depth)(root):
         raise _bad(f"the envelope is nested deeper than {max_depth} elements")
-    ns, local = _split(root.tag)
-    soap = SOAP_BY_NS.get(ns)
-    if soap is None or local != "Envelope":
+    soap = _ENVELOPE.get(root.tag)
+    if soap is None:
+        ns, local = _split(root.tag)
         code = "VersionMismatch" if local == "Envelope" else SENDER
         raise _bad(f"the document is not a SOAP 1.1 or 1.2 Envelope: {root.tag[:80]}", code)
     try:
@@ -210,76 +263,99 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = 
         raise _bad(f"invalid value: {exc}") from exc
 
 
+def _fewer_elements_than(data: bytes, encoding: str | None, limit: int) -> bool:
+    """True when ``data`` cannot hold more than ``limit`` elements, so none can be deeper than ``limit``.
+
+    Every element has a start tag, whose '<' is the byte 0x3C in a document that starts with that byte
+    and is read as UTF-8 (or as the UTF-16LE / UCS-4LE its first bytes announce).
+    """
+    return data[:1] == b"<" and encoding in _UTF8 and data.count(b"<") <= limit
+
+
 def _envelope(reader: _Reader, root: Any) -> Envelope:
-    soap_ns = SOAP_NS[reader.soap]
+    header_tag, body_tag = _HEADER[reader.soap], _BODY_TAG[reader.soap]
     header = body = None
     for child in root:
-        if not isinstance(child.tag, str):
-            continue
-        if child.tag == f"{{{soap_ns}}}Header" and header is None and body is None:
+        tag = child.tag
+        if tag == header_tag and header is None and body is None:
             header = child
-        elif child.tag == f"{{{soap_ns}}}Body" and body is None:
+        elif tag == body_tag and body is None:
             body = child
-        else:
-            raise _bad(f"unexpected {child.tag[:80]} in the Envelope")
+        elif isinstance(tag, str):
+            raise _bad(f"unexpected {tag[:80]} in the Envelope")
     if body is None:
         raise _bad("the Envelope has no Body")
-    fields: dict[str, Any] = {"acks": [], "ack_requests": [], "addressing": {}}
     if header is not None:
-        _header(reader, header, fields)
+        _header(reader, header)
     content, payload = _body(reader, body)
-    return Envelope(
-        soap=reader.soap, rm=reader.rm, wsa=reader.wsa, addressing=Addressing(**fields["addressing"]),
-        sequence=fields.get("sequence"), acks=tuple(fields["acks"]), ack_requests=tuple(fields["ack_requests"]),
-        body=content, payload=payload,
-    )
+    return Envelope(reader.soap, reader.rm, reader.wsa, Addressing(**reader.addressing), reader.sequence,
+                    tuple(reader.acks), tuple(reader.ack_requests), content, payload)
 
 
-_WSA_TEXT = {"To": "to", "Action": "action", "MessageID": "message_id", "RelatesTo": "relates_to"}
-_WSA_EPR = {"ReplyTo": "reply_to", "From": "from_", "FaultTo": "fault_to"}
-
-
-def _header(reader: _Reader, header: Any, fields: dict[str, Any]) -> None:
-    must_understand = f"{{{SOAP_NS[reader.soap]}}}mustUnderstand"
+def _header(reader: _Reader, header: Any) -> None:
+    must_understand = _MUST_UNDERSTAND[reader.soap]
     for block in header:
-        if not isinstance(block.tag, str):
+        tag = block.tag
+        addressing = _WSA_HEADERS.get(tag)
+        if addressing is not None:
+            field, epr, version = addressing
+            reader.see_wsa(version)
+            reader.addressing[field] = _text(block) if epr is None else reader.address(block, epr)
             continue
-        ns, local = _split(block.tag)
-        if ns in WSA_BY_NS and (local in _WSA_TEXT or local in _WSA_EPR):
-            reader.see_wsa(ns)
-            if local in _WSA_TEXT:
-                fields["addressing"][_WSA_TEXT[local]] = _text(block)
-            else:
-                fields["addressing"][_WSA_EPR[local]] = reader.address(block, local)
-        elif ns in RM_BY_NS and local in _HEADERS:
-            reader.see_rm(ns)
-            _HEADERS[local](reader, block, fields)
-        elif (block.get(must_understand) or "").strip() in _TRUE:
-            raise _bad(f"header {block.tag[:80]} is not understood", "MustUnderstand")
+        rm_header = _RM_HEADERS.get(tag)
+        if rm_header is not None:
+            read, version = rm_header
+            reader.see_rm(version)
+            read(reader, block)
+        elif isinstance(tag, str) and (block.get(must_understand) or "").strip() in _TRUE:
+            raise _bad(f"header {tag[:80]} is not understood", "MustUnderstand")
 
 
-def _sequence(reader: _Reader, block: Any, fields: dict[str, Any]) -> None:
-    if "sequence" in fields:
+def _sequence(reader: _Reader, block: Any) -> None:
+    if reader.sequence is not None:
         raise _bad("more than one Sequence header")
-    number = reader.number(_text(reader.child(block, "MessageNumber")), "MessageNumber")
-    last = reader.child(block, "LastMessage", required=False) is not None
+    tags = reader.tags
+    children: dict[Any, Any] = {}
+    for child in block:
+        children.setdefault(child.tag, child)
+    number_element = children.get(tags["MessageNumber"])
+    if number_element is None:
+        raise _bad("Sequence lacks its MessageNumber")
+    number = reader.number(_text(number_element), "MessageNumber")
+    last = tags["LastMessage"] in children
     if last and reader.rm is RMVersion.WSRM11:
         raise _bad("LastMessage does not exist in WS-RM 1.1")
-    fields["sequence"] = Sequence(reader.identifier(block), number, last)
+    reader.sequence = Sequence(_identifier(children.get(tags["Identifier"]), block), number, last)
 
 
-def _acknowledgement(reader: _Reader, block: Any, fields: dict[str, Any]) -> None:
+_LOWER = operator.methodcaller("get", "Lower", "")
+_UPPER = operator.methodcaller("get", "Upper", "")
+
+
+def _range_texts(reader: _Reader, block: Any) -> tuple[list[str], list[str]]:
+    """The Lower and Upper attributes of the AcknowledgementRange children, in document order; a range
+    lacking one of them gets '' in its place (refused as a number by the caller)."""
+    version = reader.rm
+    assert version is not None
+    lowers, uppers = _RANGE_LOWERS[version](block), _RANGE_UPPERS[version](block)
+    if len(lowers) == len(uppers) == _RANGE_COUNT[version](block):
+        return lowers, uppers
+    found = list(block.iterchildren(reader.tags["AcknowledgementRange"]))
+    return list(map(_LOWER, found)), list(map(_UPPER, found))
+
+
+def _acknowledgement(reader: _Reader, block: Any) -> None:
     invalid = FaultCode.INVALID_ACKNOWLEDGEMENT.value
-    ns = reader.rm_ns
-    found = block.findall(f"{{{ns}}}AcknowledgementRange")
+    tags = reader.tags
+    lower_texts, upper_texts = _range_texts(reader, block)
     pairs: tuple[tuple[int, int], ...] = ()
-    if found:
-        lowers = reader.numbers(list(map(_LOWER, found)), "AcknowledgementRange Lower")
-        uppers = reader.numbers(list(map(_UPPER, found)), "AcknowledgementRange Upper")
+    if lower_texts:
+        lowers = reader.numbers(lower_texts, "AcknowledgementRange Lower")
+        uppers = reader.numbers(upper_texts, "AcknowledgementRange Upper")
         pairs = tuple(zip(lowers, uppers))
-    nacks = reader.numbers([_text(e) for e in block.findall(f"{{{ns}}}Nack")], "Nack")
-    none = block.find(f"{{{ns}}}None") is not None
-    final = block.find(f"{{{ns}}}Final") is not None
+    nacks = reader.numbers([_text(e) for e in block.iterchildren(tags["Nack"])], "Nack")
+    none = next(block.iterchildren(tags["None"]), None) is not None
+    final = next(block.iterchildren(tags["Final"]), None) is not None
     if (none or final) and reader.rm is RMVersion.WSRM10:
         raise _bad("WS-RM 1.0 acknowledgements have no None or Final", invalid)
     identifier = reader.identifier(block)
@@ -294,29 +370,30 @@ def _acknowledgement(reader: _Reader, block: Any, fields: dict[str, Any]) -> Non
             ack = SequenceAcknowledgement(identifier, ranges.union((), pairs), nack_tuple, none, final)
         except ValueError as exc:
             raise _bad(f"invalid SequenceAcknowledgement: {exc}", invalid) from None
-    fields["acks"].append(ack)
+    reader.acks.append(ack)
 
 
-_LOWER = operator.methodcaller("get", "Lower", "")
-_UPPER = operator.methodcaller("get", "Upper", "")
-
-
-def _ack_requested(reader: _Reader, block: Any, fields: dict[str, Any]) -> None:
+def _ack_requested(reader: _Reader, block: Any) -> None:
     used = reader.optional_number(block, "MaxMessageNumberUsed")
-    fields["ack_requests"].append(AckRequested(reader.identifier(block), used))
+    reader.ack_requests.append(AckRequested(reader.identifier(block), used))
 
 
-def _sequence_fault(reader: _Reader, block: Any, fields: dict[str, Any]) -> None:
+def _sequence_fault(reader: _Reader, block: Any) -> None:
     ns, local = reader.qname(reader.child(block, "FaultCode"))
-    if ns == reader.rm_ns and local in _FAULT_CODES:
+    if RM_BY_NS.get(ns) is reader.rm and local in _FAULT_CODES:
         reader.fault_code = _FAULT_CODES[local]
 
 
-_HEADERS: dict[str, Callable[[_Reader, Any, dict[str, Any]], None]] = {
+_RM_HEADER_READERS: dict[str, Callable[[_Reader, Any], None]] = {
     "Sequence": _sequence,
     "SequenceAcknowledgement": _acknowledgement,
     "AckRequested": _ack_requested,
     "SequenceFault": _sequence_fault,
+}
+_RM_HEADERS = {
+    f"{{{ns}}}{local}": (read, version)
+    for ns, version in RM_BY_NS.items()
+    for local, read in _RM_HEADER_READERS.items()
 }
 
 
@@ -327,15 +404,16 @@ def _body(reader: _Reader, body: Any) -> tuple[Any, bytes | None]:
     if len(elements) > 1:
         raise _bad("the Body holds more than one element")
     element = elements[0]
-    ns, local = _split(element.tag)
-    if ns == SOAP_NS[reader.soap] and local == "Fault":
+    if element.tag == _FAULT[reader.soap]:
         return _fault(reader, element), None
-    if ns in RM_BY_NS:
-        reader.see_rm(ns)
-        reader_fn = _BODIES.get(local)
-        if reader_fn is None:
+    ns, local = _split(element.tag)
+    version = RM_BY_NS.get(ns)
+    if version is not None:
+        reader.see_rm(version)
+        read = _BODIES.get(local)
+        if read is None:
             raise _bad(f"unsupported WS-RM body element {local[:40]}")
-        return reader_fn(reader, element), None
+        return read(reader, element), None
     body.remove(element)  # detached, it keeps only the namespace declarations it uses
     return None, etree.tostring(element, with_tail=False)
 
@@ -397,7 +475,7 @@ def _fault(reader: _Reader, fault: Any) -> SequenceFault | SoapFault:
     rm_code = reader.fault_code
     for ns, local in [pair for pair in (subcode, code) if pair is not None]:
         if ns in RM_BY_NS and local in _FAULT_CODES:
-            reader.see_rm(ns)
+            reader.see_rm(RM_BY_NS[ns])
             rm_code = _FAULT_CODES[local]
     if rm_code is None:
         clark = "{%s}%s" % code
@@ -405,6 +483,6 @@ def _fault(reader: _Reader, fault: Any) -> SequenceFault | SoapFault:
     identifier = None
     if detail is not None:
         for child in detail:
-            if isinstance(child.tag, str) and _split(child.tag) == (reader.rm_ns, "Identifier"):
+            if child.tag == reader.tags["Identifier"]:
                 identifier = _text(child) or None
     return SequenceFault(rm_code, identifier, reason)

@@ -6,11 +6,12 @@ kind of message in each version against the official schemas. Writing text inste
 tree first keeps qtp's cost near that of lxml merely serialising the same bytes (benchmarks/wsrm_codec.py):
 numbers are ints by construction, every string goes through ``_text`` (escaping, and refusing characters
 XML 1.0 cannot carry), and the application payload is checked with lxml to be one well-formed element
-before it is spliced in.
+before it is spliced in (the verdict is remembered for recently checked payloads, see ``_payload``).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,17 @@ _PAYLOAD_PARSER = etree.XMLParser(resolve_entities=False, no_network=True, load_
                                   collect_ids=False)
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 _DECLARATION = "<?xml version='1.0' encoding='UTF-8'?>\n"
+
+
+# The declaration and Envelope start tag, with every namespace it declares, of each version combination.
+_START = {
+    (soap, wsa, rm): f'{_DECLARATION}<S:Envelope xmlns:S="{SOAP_NS[soap]}" xmlns:wsa="{WSA_NS[wsa]}"'
+                     + ("" if rm is None else f' xmlns:wsrm="{RM_NS[rm]}"') + "><S:Header>"
+    for soap in SoapVersion
+    for wsa in WsaVersion
+    for rm in (None, *RMVersion)
+}
+_CHECKED_PAYLOADS_MAX_BYTES = 64 * 1024
 
 
 def _text(value: str) -> str:
@@ -105,10 +117,7 @@ def encode(envelope: Envelope) -> bytes:
     """Serialise ``envelope`` as UTF-8 SOAP. Raises EncodingError when its versions cannot express it."""
     _check_versions(envelope)
     w = _Writer(envelope)
-    namespaces = f' xmlns:S="{SOAP_NS[envelope.soap]}" xmlns:wsa="{WSA_NS[envelope.wsa]}"'  # type: ignore[index]
-    if envelope.rm is not None:
-        namespaces += f' xmlns:wsrm="{RM_NS[envelope.rm]}"'
-    w.out.append(f"{_DECLARATION}<S:Envelope{namespaces}><S:Header>")
+    w.out.append(_START[envelope.soap, envelope.wsa, envelope.rm])  # type: ignore[index]
     _addressing(w, envelope.addressing)
     if envelope.sequence is not None:
         _sequence(w, envelope.sequence)
@@ -130,7 +139,10 @@ def encode(envelope: Envelope) -> bytes:
         if envelope.payload is not None:
             raise EncodingError("an envelope has either a WS-RM body or an application payload")
         _BODY[type(content)](w, content)
-    w.out.append("</S:Body></S:Envelope>")
+    if len(w.out) == body_at + 1:
+        w.out[body_at] = "</S:Header><S:Body/></S:Envelope>"  # as lxml writes an empty element
+    else:
+        w.out.append("</S:Body></S:Envelope>")
     return "".join(w.out).encode("utf-8")
 
 
@@ -199,7 +211,22 @@ def _ack_requested(w: _Writer, request: AckRequested) -> None:
 
 
 def _payload(payload: bytes) -> str:
-    """The payload's text, once lxml has confirmed it is one well-formed UTF-8 element and nothing else."""
+    """The payload's text, once lxml has confirmed it is one well-formed UTF-8 element and nothing else.
+
+    The verdict on a payload of up to 64 KiB is remembered by value for the last 256 payloads, so that a
+    message encoded again (a retransmission) is not parsed again; a payload not seen before is parsed.
+    """
+    if type(payload) is bytes and len(payload) <= _CHECKED_PAYLOADS_MAX_BYTES:
+        return _checked_payload(payload)
+    return _check_payload(payload)
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_payload(payload: bytes) -> str:
+    return _check_payload(payload)
+
+
+def _check_payload(payload: bytes) -> str:
     try:
         text = payload.decode("utf-8").strip()
         tree = etree.fromstring(payload, _PAYLOAD_PARSER).getroottree()
