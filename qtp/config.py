@@ -46,6 +46,8 @@ def load_config(path: str | Path) -> Config:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigurationError(f"configuration file {path} not found; pass --config PATH") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"configuration file {path} cannot be read: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigurationError(f"{path} is not valid TOML: {exc}") from exc
     node = data.get("node")

@@ -9,7 +9,8 @@
     │   ├── NestedTransactionError        qtp.transaction() inside another one on the same thread
     │   ├── TransactionStateError         enlisting after prepare, using a finished transaction
     │   ├── TransactionTimeoutError       the transaction outlived its timeout before prepare
-    │   └── RollbackError                 the transaction was rolled back (a branch voted no or failed)
+    │   ├── RollbackError                 the transaction was rolled back (a branch voted no or failed)
+    │   └── OutcomeUnknownError           qtp cannot tell yet whether it committed; recovery will decide
     ├── ResourceError                     a database or driver failed; driver exceptions are wrapped here
     │   ├── ResourceUnavailableError      could not connect, connection lost (retryable)
     │   ├── PrepareRefusedError           the database cannot prepare (max_prepared_transactions = 0, ...)
@@ -61,6 +62,14 @@ class RollbackError(TransactionError):
     """The transaction was rolled back instead of committed; ``__cause__`` holds the reason."""
 
     retryable = True
+
+
+class OutcomeUnknownError(TransactionError):
+    """The outcome cannot be known now (the decision log failed, or the reply to a one-phase commit was lost).
+
+    Every branch is left as the database has it; recovery decides from the durable log (presumed abort when
+    the commit decision did not reach the disk), so all branches end the same way. Do not retry blindly.
+    """
 
 
 class ResourceError(QtpError):

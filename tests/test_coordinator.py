@@ -44,10 +44,12 @@ def balances(engine: sqlalchemy.Engine) -> dict[int, int]:
 
 
 def prepared_left(engine: sqlalchemy.Engine) -> int:
+    """Prepared transactions left in this database (MariaDB lists the whole server's: count this node's)."""
     with engine.connect() as conn:
         if engine.dialect.name == "postgresql":
-            return conn.execute(text("SELECT count(*) FROM pg_prepared_xacts")).scalar()
-        return len(conn.execute(text("XA RECOVER")).all())
+            return conn.execute(text("SELECT count(*) FROM pg_prepared_xacts "
+                                     "WHERE database = current_database()")).scalar()
+        return sum(b"test-node/" in bytes(row[3]) for row in conn.execute(text("XA RECOVER")).all())
 
 
 @pytest.fixture
@@ -394,15 +396,19 @@ def test_timeout_interrupts_a_transaction_blocked_on_a_lock(tmp_path, pg_db, mar
     assert balances(accounts) == {1: BALANCE, 2: BALANCE}
 
 
-def test_work_on_the_raw_dbapi_connection_is_not_mistaken_for_idle(tm, pg_db):
-    """PostgreSQL tells (without a round trip) that a branch began, even when SQLAlchemy saw no statement."""
-    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
+@pytest.mark.parametrize("flavour", ["pg", "mariadb"])
+def test_work_on_the_raw_dbapi_connection_is_not_mistaken_for_idle(tm, pg_db, maria_db, flavour):
+    """Work done on the DBAPI connection is invisible to SQLAlchemy: PostgreSQL's libpq still knows the branch
+    began; for MariaDB, reaching for the DBAPI connection marks the branch as written."""
+    make = pg_db if flavour == "pg" else maria_db
+    a, b = make_accounts(make("a")), make_accounts(pg_db("b"))
     tm.add_resource("a", a.url)
     tm.add_resource("b", b.url)
     with qtp.transaction() as tx:
         raw = tx.connection("a").connection.dbapi_connection
-        with raw.cursor() as cur:
-            cur.execute("UPDATE accounts SET balance = balance - 3 WHERE id = 1")
+        cur = raw.cursor()
+        cur.execute("UPDATE accounts SET balance = balance - 3 WHERE id = 1")
+        cur.close()
         tx.connection("b").execute(text("UPDATE accounts SET balance = balance + 3 WHERE id = 1"))
     assert sent(tm, "a")["prepare"] == 1 and sent(tm, "b")["prepare"] == 1
     assert balances(a)[1] == BALANCE - 3 and balances(b)[1] == BALANCE + 3
@@ -437,3 +443,85 @@ def test_an_error_inside_the_commit_path_settles_the_transaction(tm, pg_db, mari
     assert tm.in_flight() == set()
     with qtp.transaction() as tx:  # nothing left locked
         transfer(tx, 1)
+
+
+@pytest.mark.parametrize("branches", [1, 2])
+def test_a_postgresql_branch_whose_statement_failed_cannot_commit(tm, pg_db, branches):
+    """PostgreSQL answers PREPARE (or COMMIT) of an aborted transaction with a silent ROLLBACK; qtp must
+    roll back every branch instead of reporting a commit."""
+    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
+    tm.add_resource("a", a.url)
+    tm.add_resource("b", b.url)
+    with pytest.raises(RollbackError, match="failed state"):
+        with qtp.transaction() as tx:
+            if branches == 2:
+                tx.connection("b").execute(text("UPDATE accounts SET balance = 0 WHERE id = 1"))
+            try:
+                tx.connection("a").execute(text("INSERT INTO accounts VALUES (1, 0)"))  # duplicate key
+            except sqlalchemy.exc.IntegrityError:
+                pass  # the application swallows the error and carries on
+    assert tx.outcome is Outcome.ROLLED_BACK
+    assert balances(a)[1] == BALANCE and balances(b)[1] == BALANCE
+    assert prepared_left(a) == prepared_left(b) == 0
+
+
+def test_one_phase_commit_whose_connection_breaks_is_reported_unknown(tm, pg_db):
+    """If the connection dies during a one-phase COMMIT, the database alone knows the outcome: qtp says so
+    instead of claiming a rollback."""
+    from qtp.errors import OutcomeUnknownError
+
+    a = make_accounts(pg_db("a"))
+    tm.add_resource("a", a.url)
+    with pytest.raises(OutcomeUnknownError, match="outcome unknown"):
+        with qtp.transaction() as tx:
+            conn = tx.connection("a")
+            conn.execute(text("UPDATE accounts SET balance = 0 WHERE id = 1"))
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar()
+            with a.connect() as killer:
+                killer.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+    assert tx.outcome is Outcome.UNKNOWN
+    assert tm.in_flight() == set()
+
+
+def test_urls_that_differ_in_their_query_are_different_databases(tm, pg_db):
+    url = pg_db()
+    first = tm.add_resource("a", url)
+    second = tm.add_resource("b", url + "?application_name=other")
+    assert first is not second
+
+
+def test_close_lets_running_transactions_finish_and_refuses_new_ones(tmp_path):
+    manager = qtp.TransactionManager("closing", tmp_path / "logs", recovery_interval=None)
+    first = manager.add_resource("m1", MemoryResource("m1", "closing"))
+    second = manager.add_resource("m2", MemoryResource("m2", "closing"))
+    entered, release = threading.Event(), threading.Event()
+    first.inject("prepare", lambda: (entered.set(), release.wait(10)))
+    done = {}
+
+    def run():
+        with manager.transaction() as tx:
+            tx.connection("m1").put("x", 1)
+            tx.connection("m2").put("y", 2)
+        done["outcome"] = tx.outcome
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert entered.wait(10)  # the transaction is voting
+    closer = threading.Thread(target=manager.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # close() waits for it
+    with pytest.raises(ConfigurationError, match="is closed"):
+        manager.begin()
+    release.set()
+    worker.join(10)
+    closer.join(10)
+    assert done["outcome"] is Outcome.COMMITTED
+    assert first.store.data == {"x": 1} and second.store.data == {"y": 2}
+    assert read_log(manager.log_dir).open == {}
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf")])
+def test_timeout_must_be_a_positive_number(tmp_path, timeout):
+    with pytest.raises(ConfigurationError, match="timeout"):
+        qtp.TransactionManager("t", tmp_path, timeout=timeout)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from qtp.coordinator import Outcome, TransactionManager, read_log
-from qtp.errors import QtpError, ResourceError, ResourceUnavailableError, RollbackError
+from qtp.errors import OutcomeUnknownError, ResourceError, ResourceUnavailableError, RollbackError
 from qtp.xa import MemoryResource
 
 NAMES = ("r0", "r1", "r2")
@@ -52,7 +52,9 @@ class CoordinatorModel(RuleBasedStateMachine):
             return "rollback" if asked else "commit"
         if name not in writers:
             return "commit"
-        return "pending" if len(writers) >= 2 else "rollback"  # one writer: one-phase commit failed
+        # one writer: its one-phase commit lost the connection, so only the database knows the outcome (the
+        # in-memory database, like a real one, drops a transaction whose connection went away)
+        return "pending" if len(writers) >= 2 else "unknown"
 
     @rule(plan=work, fault=faults)
     def transaction(self, plan, fault):
@@ -60,7 +62,7 @@ class CoordinatorModel(RuleBasedStateMachine):
             exc = ResourceUnavailableError("injected") if fault[1] == "commit" else ResourceError("injected")
             self.res[fault[0]].inject(fault[1], exc)
         expected = self._expected(plan, fault)
-        outcome = None
+        outcome = tx = None
         try:
             with self.tm.transaction() as tx:
                 for name, writes in plan.items():
@@ -70,12 +72,14 @@ class CoordinatorModel(RuleBasedStateMachine):
             outcome = tx.outcome
         except (RollbackError, ResourceError):
             outcome = Outcome.ROLLED_BACK
+        except OutcomeUnknownError:
+            outcome = tx.outcome
         for res in self.res.values():
             res._faults.clear()
         want = {"commit": Outcome.COMMITTED, "pending": Outcome.COMMITTED_PENDING,
-                "rollback": Outcome.ROLLED_BACK}[expected]
+                "rollback": Outcome.ROLLED_BACK, "unknown": Outcome.UNKNOWN}[expected]
         assert outcome is want, (plan, fault, outcome)
-        if outcome is not Outcome.ROLLED_BACK:
+        if outcome in (Outcome.COMMITTED, Outcome.COMMITTED_PENDING):
             for name, writes in plan.items():
                 self.model[name].update(writes)
         self.tm.wait_retries()
@@ -90,6 +94,10 @@ class CoordinatorModel(RuleBasedStateMachine):
         for res in self.res.values():
             assert res.store.prepared == {}
             assert res.store.locks == {}
+
+    @invariant()
+    def no_transaction_left_in_flight(self):
+        assert self.tm.in_flight() == set()
 
     @invariant()
     def no_open_decision(self):

@@ -23,12 +23,46 @@ def test_decisions_without_end_survive_reopen(tmp_path):
     reopened.close()
 
 
-def test_forced_record_is_on_disk_before_log_commit_returns(tmp_path):
-    log = DecisionLog(tmp_path)
+def test_forced_record_is_synced_before_log_commit_returns(tmp_path):
+    synced = []
+
+    def sync(fd):
+        os.fdatasync(fd)
+        synced.append(read_log(tmp_path).open)  # what was written when the sync ran
+
+    log = DecisionLog(tmp_path, sync=sync)
     log.log_commit("n/1", ["a", "b"])
-    # another reader (recovery in another process) sees it while the writer is still open
-    assert read_log(tmp_path).open == {"n/1": ["a", "b"]}
+    assert synced == [{"n/1": ["a", "b"]}]  # the record was written, then synced, before the call returned
     log.close()
+
+
+def test_a_failed_write_is_never_reported_durable_and_blocks_recovery_in_process(tmp_path):
+    from qtp.errors import LogError
+
+    def broken(fd):
+        raise OSError(5, "Input/output error")
+
+    log = DecisionLog(tmp_path, sync=broken)
+    with pytest.raises(LogError, match="Input/output error"):
+        log.log_commit("n/1", ["a", "b"])
+    with pytest.raises(LogError, match="restart the node"):
+        log.open  # what reached the disk is unknown: only a fresh read after a restart may be trusted
+    with pytest.raises(LogError):
+        log.log_commit("n/2", ["a", "b"])
+
+
+def test_a_failed_checkpoint_keeps_the_decisions_durable(tmp_path, monkeypatch):
+    log = DecisionLog(tmp_path, segment_bytes=64)
+
+    def no_space(number):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(log, "_start_segment", no_space)
+    log.log_commit("n/1", ["a", "b"])  # the rotation after this write fails; the commit must not
+    log.log_commit("n/2", ["a", "b"])
+    assert not log.failed
+    log.close()
+    assert read_log(tmp_path).open == {"n/1": ["a", "b"], "n/2": ["a", "b"]}
 
 
 def _segment(tmp_path):

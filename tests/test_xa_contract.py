@@ -24,7 +24,7 @@ class Kit:
     write: Callable[[Any, str, int], None]   # (branch connection, key, value)
     read_only_work: Callable[[Any], None]    # a statement that reads without writing
     committed: Callable[[], dict[str, int]]  # what an outside observer sees
-    prepare_foreign: Callable[[], None]      # a prepared transaction that is not this node's qtp branch
+    prepare_foreign: Callable[[], Callable[[], None]]  # prepared branches not this node's; returns a clean-up
     sees_reads: bool = True                  # can the database tell that a branch that ran reads wrote nothing?
 
 
@@ -38,23 +38,25 @@ def _sql_kit(url: str, cls: type) -> Kit:
         with engine.connect() as conn:
             return dict(conn.execute(text("SELECT k, v FROM kv")).all())
 
-    def prepare_foreign() -> None:
+    def prepare_foreign() -> Callable[[], None]:
         other = cls("kv", url, "node-b")  # another manager's branch
         xid = Xid.of(Xid.new_gtrid("node-b"), "kv")
         other.begin(xid)
         other.connection(xid).execute(text("INSERT INTO kv VALUES ('foreign', 1)"))
         other.prepare(xid)
         other.close()
-        raw = engine.raw_connection()  # and a hand-made one
-        cur = raw.cursor()
-        if family == "postgresql":
-            raw.autocommit = True
-            cur.execute("BEGIN; INSERT INTO kv VALUES ('hand', 1); PREPARE TRANSACTION 'hand-made'")
-        else:
-            for sql in ("XA START 'hand-made'", "INSERT INTO kv VALUES ('hand', 1)", "XA END 'hand-made'",
-                        "XA PREPARE 'hand-made'"):
-                cur.execute(sql)
-        raw.close()
+        gid = f"hand-made-{uuid.uuid4().hex[:8]}"
+        hand = [f"BEGIN; INSERT INTO kv VALUES ('hand', 1); PREPARE TRANSACTION '{gid}'"] \
+            if family == "postgresql" else \
+            [f"XA START '{gid}'", "INSERT INTO kv VALUES ('hand', 1)", f"XA END '{gid}'", f"XA PREPARE '{gid}'"]
+        undo = f"ROLLBACK PREPARED '{gid}'" if family == "postgresql" else f"XA ROLLBACK '{gid}'"
+        _run_raw(engine, hand)
+
+        def clean_up() -> None:  # leave no prepared transaction behind in the shared test server
+            cls("kv", url, "node-b").rollback(xid)
+            _run_raw(engine, [undo])
+
+        return clean_up
 
     return Kit(
         make=lambda node: cls("kv", url, node),
@@ -67,15 +69,29 @@ def _sql_kit(url: str, cls: type) -> Kit:
     )
 
 
+def _run_raw(engine: sqlalchemy.Engine, statements: list[str]) -> None:
+    proxy = engine.raw_connection()
+    raw = proxy.driver_connection
+    if engine.dialect.name == "postgresql":
+        raw.autocommit = True
+    else:
+        raw.autocommit(True)
+    with raw.cursor() as cur:
+        for sql in statements:
+            cur.execute(sql)
+    proxy.invalidate()
+
+
 def _memory_kit() -> Kit:
     store = MemoryStore()
 
-    def prepare_foreign() -> None:
+    def prepare_foreign() -> Callable[[], None]:
         other = MemoryResource("kv", "node-b", store)
         xid = Xid.of(Xid.new_gtrid("node-b"), "kv")
         other.begin(xid)
         other.connection(xid).put("foreign", 1)
         other.prepare(xid)
+        return lambda: other.rollback(xid)
 
     return Kit(
         make=lambda node: MemoryResource("kv", node, store),
@@ -193,13 +209,16 @@ def test_prepared_branch_outlives_its_resource_object(kit):
 
 
 def test_recover_lists_only_this_nodes_qtp_branches(kit, resource):
-    kit.prepare_foreign()
-    xid = new_xid()
-    resource.begin(xid)
-    kit.write(resource.connection(xid), "mine", 1)
-    resource.prepare(xid)
-    assert resource.recover() == [xid]
-    resource.rollback(xid)
+    clean_up = kit.prepare_foreign()
+    try:
+        xid = new_xid()
+        resource.begin(xid)
+        kit.write(resource.connection(xid), "mine", 1)
+        resource.prepare(xid)
+        assert resource.recover() == [xid]
+        resource.rollback(xid)
+    finally:
+        clean_up()
 
 
 def test_connection_refuses_work_after_prepare(kit, resource):
@@ -213,11 +232,16 @@ def test_connection_refuses_work_after_prepare(kit, resource):
     resource.rollback(xid)
 
 
-def test_forget_is_safe_on_a_resolved_branch(kit, resource):
-    xid = new_xid()
-    resource.begin(xid)
-    kit.write(resource.connection(xid), "a", 1)
-    resource.prepare(xid)
-    resource.commit(xid)
-    resource.forget(xid)
-    assert kit.committed() == {"a": 1}
+def test_detach_leaves_a_prepared_branch_for_recovery_and_drops_an_active_one(kit, resource):
+    prepared, active = new_xid(), new_xid()
+    resource.begin(prepared)
+    kit.write(resource.connection(prepared), "p", 1)
+    resource.prepare(prepared)
+    resource.begin(active)
+    kit.write(resource.connection(active), "a", 2)
+    resource.detach(prepared)
+    resource.detach(active)
+    assert resource.recover() == [prepared]
+    assert kit.committed() == {}
+    resource.commit(prepared)  # by xid, as recovery does
+    assert kit.committed() == {"p": 1}

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import struct
 import threading
@@ -42,6 +43,8 @@ from pathlib import Path
 from typing import Callable
 
 from qtp.errors import LogCorruptError, LogError, LogLockedError
+
+log = logging.getLogger("qtp.coordinator")
 
 _HEADER = struct.Struct("<II")
 COMMIT, END, CHECKPOINT = 1, 2, 3
@@ -157,7 +160,7 @@ class DecisionLog:
         except BaseException:
             os.close(self._lock_fd)
             raise
-        self.open: dict[str, list[str]] = state.open
+        self._open: dict[str, list[str]] = state.open
         self.recovered = state
         self._cond = threading.Condition()
         self._pending: list[bytes] = []
@@ -183,15 +186,38 @@ class DecisionLog:
             self._start_segment(1)
 
     def _start_segment(self, number: int) -> None:
+        """Create segment ``number``, opening with a checkpoint of the open decisions, and make it current.
+        On failure nothing changes: the partial file is removed and the current segment stays."""
         with self._cond:
-            still_open = [[g, b] for g, b in self.open.items()]
-        self._segment = self.directory / f"segment-{number:08d}.log"
-        self._fd = os.open(self._segment, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
-        record = encode_record(CHECKPOINT, {"open": still_open})
-        os.write(self._fd, record)
-        os.fdatasync(self._fd)
-        _fsync_dir(self.directory)
-        self._size = len(record)
+            still_open = [[g, b] for g, b in self._open.items()]
+        path = self.directory / f"segment-{number:08d}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            record = encode_record(CHECKPOINT, {"open": still_open})
+            os.write(fd, record)
+            os.fdatasync(fd)
+            _fsync_dir(self.directory)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        self._segment, self._fd, self._size = path, fd, len(record)
+
+    @property
+    def open(self) -> dict[str, list[str]]:
+        """The commit decisions without an END record (gtrid -> branch names).
+
+        Raises LogError once a write has failed: what is on disk is then unknown, and only a recovery that
+        reads the log afresh (after a restart) may act on it.
+        """
+        if self._failed is not None:
+            raise LogError(f"decision log {self.directory} failed ({self._failed}); restart the node so that "
+                           "recovery reads what reached the disk") from self._failed
+        return self._open
+
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
 
     # ------------------------------------------------------------------ writing
 
@@ -199,7 +225,7 @@ class DecisionLog:
         """Force the commit decision for ``gtrid`` to disk; returns once it is durable."""
         record = encode_record(COMMIT, {"gtrid": gtrid, "branches": branches})
         with self._cond:
-            self.open[gtrid] = branches
+            self._open[gtrid] = branches
             self._pending.append(record)
             self._appended += 1
             ticket = self._appended
@@ -218,7 +244,7 @@ class DecisionLog:
     def log_end(self, gtrid: str) -> None:
         """Note that every branch of ``gtrid`` committed. Unforced: it rides on the next flush."""
         with self._cond:
-            if self.open.pop(gtrid, None) is None:
+            if self._open.pop(gtrid, None) is None:
                 return
             self._pending.append(encode_record(END, {"gtrid": gtrid}))
             self._appended += 1
@@ -248,18 +274,17 @@ class DecisionLog:
         batch, self._pending = self._pending, []
         upto = self._appended
         self._cond.release()
+        error = None
         try:
             data = b"".join(batch)
             os.write(self._fd, data)
             self._sync(self._fd)
             self._size += len(data)
-            if self._size > self.segment_bytes:
-                self._checkpoint()
-            error = None
         except OSError as exc:
             error = exc
-        finally:
-            self._cond.acquire()
+        if error is None and self._size > self.segment_bytes:
+            self._try_checkpoint()
+        self._cond.acquire()
         self._flushing = False
         self.fsyncs += 1
         if error is not None:
@@ -268,11 +293,20 @@ class DecisionLog:
             self._durable = upto
         self._cond.notify_all()
 
+    def _try_checkpoint(self) -> None:
+        """A checkpoint is housekeeping: when it fails the log keeps growing in the current segment and
+        the next flush tries again; the decisions already written stay durable."""
+        try:
+            self._checkpoint()
+        except OSError as exc:
+            log.error("decision log %s: checkpoint failed (%s); continuing in %s", self.directory, exc,
+                      self._segment)
+
     def _checkpoint(self) -> None:
         """Start a new segment holding the open decisions, then drop the old segments."""
-        old = _segments(self.directory)
-        os.close(self._fd)
+        old, old_fd = _segments(self.directory), self._fd
         self._start_segment(_segment_number(self._segment) + 1)
+        os.close(old_fd)
         for path in old:
             path.unlink()
         _fsync_dir(self.directory)
@@ -309,7 +343,7 @@ class DecisionLog:
         finally:
             os.close(self._fd)
             os.close(self._lock_fd)
-            self._lock_fd = -1
+            self._fd = self._lock_fd = -1
 
     @property
     def decisions_per_fsync(self) -> float:

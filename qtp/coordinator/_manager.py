@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
-import queue
 import threading
 import time
+import concurrent.futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -47,7 +48,7 @@ class TransactionManager:
         from qtp.recovery._node import log_present
 
         self.node_id = validate_name("node id", node_id, MAX_NODE_ID)
-        if timeout <= 0:
+        if not math.isfinite(timeout) or timeout <= 0:
             raise ConfigurationError(f"transaction timeout must be positive, got {timeout!r}")
         self.log_dir = Path(log_dir) / node_id
         self.timeout = float(timeout)
@@ -59,8 +60,8 @@ class TransactionManager:
         self._resources: dict[str, Resource] = {}
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="qtp-branch")
-        self._retries: queue.Queue = queue.Queue()
-        self._retrier: threading.Thread | None = None
+        self._retry_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="qtp-phase2-retry")
+        self._retry_futures: set[concurrent.futures.Future] = set()
         self._closed = False
         self._in_flight: dict[str, Transaction] = {}  # begun, not finished (recovery leaves them alone)
         self._reaper: threading.Thread | None = None
@@ -210,8 +211,11 @@ class TransactionManager:
             # Saturated: other transactions' round trips already overlap ours, and handing branches to
             # pool threads would only spend the CPU everyone is queueing for.
             return run_each(fn, items)
-        futures = [self._pool.submit(run_each, lambda i, it, k=k: fn(k, it), [item])
-                   for k, item in enumerate(items[1:], start=1)]
+        try:
+            futures = [self._pool.submit(run_each, lambda i, it, k=k: fn(k, it), [item])
+                       for k, item in enumerate(items[1:], start=1)]
+        except RuntimeError:  # the pool is shut down (close() raced this transaction): do it here
+            return run_each(fn, items)
         first = run_each(fn, items[:1])
         return first + [f.result()[0] for f in futures]
 
@@ -239,48 +243,56 @@ class TransactionManager:
     # ------------------------------------------------------------------ phase-2 retries
 
     def retry_phase_two(self, gtrid: str, branches: list[tuple[Resource, Xid]]) -> None:
-        """Keep committing ``branches`` of a decided transaction in the background; recovery takes over
-        from whatever is still pending when the retries give up."""
-        self._retries.put((gtrid, branches))
-        if self._retrier is None or not self._retrier.is_alive():
-            self._retrier = threading.Thread(target=self._retry_loop, name="qtp-phase2-retry", daemon=True)
-            self._retrier.start()
+        """Keep committing ``branches`` of a decided transaction in the background. The transaction stays
+        in flight (recovery leaves it alone) until the retries end; what they cannot finish, recovery does."""
+        with self._in_flight_lock:
+            future = self._retry_pool.submit(self._retry, gtrid, branches)
+            self._retry_futures.add(future)
+        future.add_done_callback(self._retry_futures.discard)
 
-    def _retry_loop(self) -> None:
-        while True:
-            item = self._retries.get()
-            if item is None:
-                return
-            gtrid, branches = item
+    def _retry(self, gtrid: str, branches: list[tuple[Resource, Xid]]) -> None:
+        left = []
+        for resource, xid in branches:  # each branch on its own: one unreachable database delays no other
             try:
-                for resource, xid in branches:
-                    for attempt in tenacity.Retrying(
-                        stop=tenacity.stop_after_delay(self.phase_two_retry_s),
-                        wait=tenacity.wait_exponential(multiplier=0.05, max=2.0),
-                        retry=tenacity.retry_if_exception_type(QtpError), reraise=True,
-                    ):
-                        with attempt:
-                            resource.commit(xid)
-                self.log.log_end(gtrid)
-                log.warning("transaction %s: pending branches committed by the background retry", gtrid)
+                for attempt in tenacity.Retrying(
+                    stop=tenacity.stop_after_delay(self.phase_two_retry_s),
+                    wait=tenacity.wait_exponential(multiplier=0.05, max=2.0),
+                    retry=tenacity.retry_if_exception_type(QtpError), reraise=True,
+                ):
+                    with attempt:
+                        resource.commit(xid)
             except Exception as exc:  # the retrier must survive anything; recovery finishes the work
-                log.critical("transaction %s: phase-2 retries gave up (%s); run `qtp recover` or let the "
-                             "periodic recovery finish it", gtrid, exc)
+                left.append(xid.branch)
+                log.critical("transaction %s: phase-2 retries of branch %s gave up (%s); run `qtp recover` or "
+                             "let the periodic recovery finish it", gtrid, xid.branch, exc)
+        if not left:
+            self.log.log_end(gtrid)
+            log.warning("transaction %s: pending branches committed by the background retry", gtrid)
+        with self._in_flight_lock:
+            self._in_flight.pop(gtrid, None)
 
     def wait_retries(self) -> None:
         """Block until the background phase-2 retries queued so far have finished (for tests, shutdown)."""
-        if self._retrier is not None and self._retrier.is_alive():
-            self._retries.put(None)  # processed after everything queued before it
-            self._retrier.join()
+        with self._in_flight_lock:
+            pending = list(self._retry_futures)
+        concurrent.futures.wait(pending)
 
-    def close(self) -> None:
-        """Stop background work, flush and unlock the log, release pooled connections."""
+    def close(self, drain_s: float = 30.0) -> None:
+        """Refuse new transactions, let running ones finish (at most ``drain_s``), stop background work,
+        flush and unlock the log, release pooled connections."""
         if self._closed:
             return
         self._closed = True
         if self._recovery is not None:
             self._recovery.stop()
+        deadline = time.monotonic() + drain_s
+        while self.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.in_flight():
+            log.warning("closing node %s with transactions still running: %s", self.node_id,
+                        sorted(self.in_flight()))
         self.wait_retries()
+        self._retry_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self.log.close()
         for resource in self.distinct_resources():

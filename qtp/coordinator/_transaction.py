@@ -29,6 +29,8 @@ from qtp.coordinator.failpoints import failpoint
 from qtp.errors import (
     ConfigurationError,
     LogError,
+    OutcomeUnknownError,
+    ResourceUnavailableError,
     RollbackError,
     TransactionStateError,
     TransactionTimeoutError,
@@ -49,22 +51,25 @@ class State(enum.Enum):
     COMMITTED = "committed"
     COMMITTED_PENDING = "committed with branches pending"
     ROLLED_BACK = "rolled back"
+    IN_DOUBT = "in doubt"
 
 
 class Outcome(enum.Enum):
     COMMITTED = "committed"
     COMMITTED_PENDING = "committed with branches pending"
     ROLLED_BACK = "rolled back"
+    UNKNOWN = "unknown until recovery"
 
 
 TRANSITIONS: dict[State, set[State]] = {
     State.ACTIVE: {State.PREPARING, State.ROLLING_BACK},
-    State.PREPARING: {State.COMMITTING, State.ROLLING_BACK, State.COMMITTED},
+    State.PREPARING: {State.COMMITTING, State.ROLLING_BACK, State.COMMITTED, State.IN_DOUBT},
     State.COMMITTING: {State.COMMITTED, State.COMMITTED_PENDING},
     State.ROLLING_BACK: {State.ROLLED_BACK},
     State.COMMITTED: set(),
     State.COMMITTED_PENDING: set(),
     State.ROLLED_BACK: set(),
+    State.IN_DOUBT: set(),
 }
 
 
@@ -94,7 +99,7 @@ class Transaction:
     def outcome(self) -> Outcome | None:
         """None while the transaction runs; then committed, committed with branches pending, or rolled back."""
         return {State.COMMITTED: Outcome.COMMITTED, State.COMMITTED_PENDING: Outcome.COMMITTED_PENDING,
-                State.ROLLED_BACK: Outcome.ROLLED_BACK}.get(self.state)
+                State.ROLLED_BACK: Outcome.ROLLED_BACK, State.IN_DOUBT: Outcome.UNKNOWN}.get(self.state)
 
     @property
     def state(self) -> State:
@@ -103,7 +108,7 @@ class Transaction:
     @state.setter
     def state(self, new: State) -> None:
         self._state = new
-        if not TRANSITIONS[new]:
+        if not TRANSITIONS[new] and new is not State.COMMITTED_PENDING:  # pending: the retrier finishes it
             self.manager.finished(self)
 
     def _move(self, new: State) -> None:
@@ -183,7 +188,7 @@ class Transaction:
         self._close_sessions()
         try:
             self._two_phase_commit()
-        except RollbackError:
+        except (RollbackError, OutcomeUnknownError):
             raise
         except BaseException as exc:  # anything unforeseen (a failpoint, an interrupt): settle, then re-raise
             self._settle_after(exc)
@@ -234,6 +239,10 @@ class Transaction:
             resource, xid = branches[0]
             try:
                 resource.commit(xid, one_phase=True)
+            except ResourceUnavailableError as exc:  # the COMMIT may have landed before the connection broke
+                resource.detach(xid)
+                self._give_up_knowing(exc, f"the connection to {xid.branch} broke during its one-phase commit, "
+                                           "so the database alone knows whether it committed")
             except BaseException as exc:
                 self._abort(exc, "the one-phase commit failed")
         self.state = State.COMMITTED
@@ -257,21 +266,39 @@ class Transaction:
         return [b for b, vote in zip(branches, results) if vote is Vote.YES]
 
     def _commit_sole_prepared(self, prepared: list[tuple[Resource, Xid]]) -> None:
-        """Every other branch was read-only: the one prepared branch decides alone, nothing is logged."""
-        for resource, xid in prepared:
-            try:
+        """Every other branch was read-only: the one prepared branch decides alone, nothing is logged.
+
+        If its commit fails the transaction is still decided "commit" (nobody can disagree): the decision is
+        logged then, and the commit finished like any pending phase 2 (a lost reply is thus harmless).
+        """
+        try:
+            for resource, xid in prepared:
                 resource.commit(xid)
-            except BaseException as exc:
-                self._abort(exc, "the commit of the only prepared branch failed")
+        except BaseException:
+            self._decide(prepared)
+            self._phase_two(prepared)
+            return
         self.state = State.COMMITTED
 
     def _decide(self, prepared: list[tuple[Resource, Xid]]) -> None:
         try:
             self.manager.log.log_commit(self.xid, [xid.branch for _, xid in prepared])
         except LogError as exc:
-            self._abort(exc, "the commit decision could not be logged")
+            # The record may or may not be on disk: rolling back could contradict it. Leave every branch
+            # prepared; recovery after a restart reads the log and ends them all the same way.
+            for resource, xid in prepared:
+                resource.detach(xid)
+            self._give_up_knowing(exc, "the commit decision could not be logged")
         self._move(State.COMMITTING)
         failpoint("after_decision_forced")
+
+    def _give_up_knowing(self, cause: BaseException, why: str) -> None:
+        self._move(State.IN_DOUBT)
+        log.critical("transaction %s: outcome unknown: %s (%s); recovery will resolve it", self.xid, why, cause)
+        raise OutcomeUnknownError(
+            f"transaction {self.xid}: outcome unknown: {why}: {cause}; every branch is left to recovery "
+            "(`qtp recover`), which ends them all the same way; check the outcome before retrying"
+        ) from cause
 
     def _phase_two(self, prepared: list[tuple[Resource, Xid]]) -> None:
         def commit(index: int, branch: tuple[Resource, Xid]) -> None:

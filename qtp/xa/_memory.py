@@ -191,6 +191,13 @@ class MemoryResource(Resource):
             self._release(xid)
         self._counters["rollback"] += 1
 
+    def detach(self, xid: Xid) -> None:
+        """An active branch is dropped, as a database drops it with its connection; a prepared one stays."""
+        branch = self._branches.pop(xid, None)
+        if branch is not None:
+            branch.open = False
+            self._release(xid)
+
     def recover(self) -> list[Xid]:
         self._maybe_fail("recover")
         with self.store.mutex:

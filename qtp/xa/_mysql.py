@@ -20,6 +20,7 @@ from qtp.xa._xid import Xid
 
 _DISCONNECT_CODES = {2003, 2006, 2013, 2055, 1927, 4031}
 _XAER_NOTA = 1397  # unknown xid: already resolved
+_XA_RB_CODES = {1402, 1613, 1614}  # XA_RBROLLBACK, XA_RBTIMEOUT, XA_RBDEADLOCK: the server rolled it back
 _MIN_MARIADB = (10, 5)
 
 
@@ -46,7 +47,10 @@ class MySQLResource(SqlResource):
 
     def _translate(self, exc: Exception, action: str, xid: Xid | None) -> QtpError:
         original = getattr(exc, "orig", None) or exc
-        if action == "prepare" and isinstance(original, pymysql.err.MySQLError) and not self._is_disconnect(original):
+        code = original.args[0] if isinstance(original, pymysql.err.MySQLError) and original.args else None
+        rolled_back_by_server = code in _XA_RB_CODES
+        if action == "prepare" and code is not None and not self._is_disconnect(original) \
+                and not rolled_back_by_server:
             return PrepareRefusedError(
                 f"resource {self.name!r} ({self.display_url}) refused XA PREPARE for {xid}: {original}"
             )

@@ -9,7 +9,7 @@ from typing import Any
 import psycopg2
 import psycopg2.errorcodes
 
-from qtp.errors import PrepareRefusedError, QtpError
+from qtp.errors import PrepareRefusedError, QtpError, ResourceError
 from qtp.xa._sql import SqlBranch, SqlResource
 from qtp.xa._xid import FORMAT_ID, Xid
 
@@ -69,13 +69,26 @@ class PostgresResource(SqlResource):
             cur.execute("SELECT txid_current_if_assigned() IS NULL")
             return bool(cur.fetchone()[0])
 
+    @staticmethod
+    def _check_not_failed(raw: Any, xid: Xid) -> None:
+        """A statement failed and the application carried on: PostgreSQL would answer PREPARE or COMMIT
+        with a silent ROLLBACK. Refuse instead, so the transaction rolls back on every branch."""
+        if raw.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_INERROR:
+            raise ResourceError(
+                f"branch {xid} is in a failed state: one of its statements raised an error and PostgreSQL "
+                "has aborted the branch; the transaction cannot commit (let the error leave the "
+                "`with qtp.transaction()` block, or use a savepoint around statements that may fail)"
+            )
+
     def _xa_prepare(self, raw: Any, xid: Xid) -> None:
+        self._check_not_failed(raw, xid)
         raw.tpc_prepare()
 
     def _xa_commit(self, raw: Any, xid: Xid) -> None:
         raw.tpc_commit()
 
     def _xa_commit_one_phase(self, raw: Any, xid: Xid) -> None:
+        self._check_not_failed(raw, xid)
         raw.tpc_commit()
 
     def _xa_end_read_only(self, raw: Any, xid: Xid) -> None:

@@ -103,6 +103,12 @@ class Resource(abc.ABC):
         """Drop what the resource remembers of a heuristically completed branch (a no-op where the
         database keeps nothing)."""
 
+    @abc.abstractmethod
+    def detach(self, xid: Xid) -> None:
+        """Let go of branch ``xid`` without resolving it: close its connection. A prepared branch stays
+        prepared in the database, for recovery; an active one is rolled back by the database as its
+        connection closes. Never raises."""
+
     def cancel(self, xid: Xid) -> None:
         """Interrupt the statement branch ``xid`` is running, from another thread (a no-op where nothing can
         block). The branch's owner then sees its statement fail and rolls back."""

@@ -10,6 +10,7 @@ can vote read-only without asking the database.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import threading
 from datetime import datetime
@@ -31,6 +32,8 @@ from qtp.errors import (
 )
 from qtp.xa._resource import Resource, Vote
 from qtp.xa._xid import Xid, validate_name
+
+log = logging.getLogger("qtp.xa")
 
 _DRIVERS = {"postgresql": "psycopg2", "mysql": "pymysql", "mariadb": "pymysql"}
 _READ_ONLY = re.compile(r"^\s*(select|show|explain|values|savepoint|release|rollback\s+to)\b", re.I)
@@ -66,7 +69,7 @@ def identity_of(url: URL) -> tuple:
     host = url.host or "localhost"
     if host in ("127.0.0.1", "::1"):
         host = "localhost"
-    return (family, host, url.port, url.database, url.username)
+    return (family, host, url.port, url.database, url.username, tuple(sorted(url.query.items())))
 
 
 def _reads_only(statement: Any) -> bool:
@@ -97,6 +100,15 @@ class BranchConnection(Connection):
         branch.statements += 1
         if not _reads_only(statement):
             branch.writes += 1
+
+    @property
+    def connection(self) -> Any:
+        """The pooled DBAPI connection. Work done on it bypasses SQLAlchemy, so from now on the branch is
+        taken to have written (where the database cannot tell qtp otherwise)."""
+        branch = self._qtp_branch
+        if branch is not None:
+            branch.raw_used = True
+        return Connection.connection.fget(self)
 
     def execute(self, statement: Any, *args: Any, **kw: Any) -> Any:
         self._qtp_note(statement)
@@ -134,6 +146,7 @@ class SqlBranch:
     raw: Any  # the DBAPI connection
     statements: int = 0
     writes: int = 0
+    raw_used: bool = False  # the application reached for the DBAPI connection
     prepared: bool = False
 
 
@@ -204,9 +217,9 @@ class SqlResource(Resource):
                 conn.invalidate()
                 conn.close()
                 raise
+        conn.begin()  # before the branch is attached: SQLAlchemy's own use of .connection is not the app's
         branch = SqlBranch(xid, conn, raw)
         conn._qtp_open, conn._qtp_xid, conn._qtp_branch = True, xid, branch
-        conn.begin()
         with self._lock:
             self._branches[xid] = branch
         self._count("begin")
@@ -225,12 +238,12 @@ class SqlResource(Resource):
 
     def _idle(self, branch: SqlBranch) -> bool:
         """Did the branch certainly run nothing? (Statements through SQLAlchemy are counted.)"""
-        return branch.statements == 0
+        return branch.statements == 0 and not branch.raw_used
 
     def prepare(self, xid: Xid) -> Vote:
         branch = self._branch(xid, "prepare")
         branch.conn._qtp_open = False
-        if self._idle(branch) or (branch.writes == 0 and self._wrote_nothing(branch)):
+        if self._idle(branch) or (branch.writes == 0 and not branch.raw_used and self._wrote_nothing(branch)):
             self._finish(branch, self._xa_end_read_only, "read-only")
             return Vote.READ_ONLY
         with self.translate("prepare", xid):
@@ -290,8 +303,11 @@ class SqlResource(Resource):
         """Commit or roll back a prepared branch by xid on a fresh connection (phase-2 retry, recovery)."""
         what = "commit" if commit else "rollback"
         with self.translate(f"{what} (by xid)", xid), self.engine.connect() as conn:
-            raw = conn.connection.dbapi_connection
-            self._xa_resolve(raw, xid, commit)
+            try:
+                self._xa_resolve(conn.connection.dbapi_connection, xid, commit)
+            except BaseException:
+                conn.invalidate()  # the pool does not reset connections: never hand a broken one back
+                raise
         self._count(f"{what}_by_xid")
 
     def recover(self) -> list[Xid]:
@@ -311,13 +327,21 @@ class SqlResource(Resource):
     def close(self) -> None:
         """Close every connection, the branches' included: active branches are rolled back by the database;
         prepared branches stay prepared, detached from any session, for commit or rollback by xid."""
+        for xid in list(self._branches):
+            self.detach(xid)
+        self.engine.dispose()
+
+    def detach(self, xid: Xid) -> None:
         with self._lock:
-            branches, self._branches = list(self._branches.values()), {}
-        for branch in branches:
-            branch.conn._qtp_open = False
+            branch = self._branches.pop(xid, None)
+        if branch is None:
+            return
+        branch.conn._qtp_open, branch.conn._qtp_branch = False, None
+        try:
             branch.conn.invalidate()
             branch.conn.close()
-        self.engine.dispose()
+        except Exception as exc:  # detaching must not fail: the connection is being thrown away anyway
+            log.warning("closing the connection of %s failed: %s", xid, exc)
 
     # ------------------------------------------------------------------ database-specific steps
 
