@@ -48,6 +48,7 @@ class TransactionManager:
         from qtp.recovery._node import log_present
 
         self.node_id = validate_name("node id", node_id, MAX_NODE_ID)
+        self.gtrid_prefix = f"{node_id}/".encode()  # a transaction's gtrid: this + 32 random hex digits
         if not math.isfinite(timeout) or timeout <= 0:
             raise ConfigurationError(f"transaction timeout must be positive, got {timeout!r}")
         self.log_dir = Path(log_dir) / node_id

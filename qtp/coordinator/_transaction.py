@@ -19,6 +19,7 @@ Transitions of a transaction are data (``TRANSITIONS``); anything else is a Tran
 from __future__ import annotations
 
 import enum
+import os
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -78,7 +79,7 @@ class Transaction:
 
     def __init__(self, manager: "TransactionManager", timeout: float):
         self.manager = manager
-        self.gtrid = Xid.new_gtrid(manager.node_id)
+        self.gtrid = manager.gtrid_prefix + os.urandom(16).hex().encode()
         self.deadline = time.monotonic() + timeout
         self.timeout = timeout
         self.state = State.ACTIVE

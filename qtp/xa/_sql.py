@@ -9,14 +9,13 @@ can vote read-only without asking the database.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import threading
 from datetime import datetime
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import sqlalchemy
 from sqlalchemy.engine import Connection, Engine, make_url
@@ -139,6 +138,21 @@ class BranchConnection(Connection):
         )
 
 
+class _Translate:
+    __slots__ = ("resource", "action", "xid")
+
+    def __init__(self, resource: "SqlResource", action: str, xid: Xid | None):
+        self.resource, self.action, self.xid = resource, action, xid
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or isinstance(exc, QtpError) or not isinstance(exc, Exception):
+            return False
+        raise self.resource._translate(exc, self.action, self.xid) from exc  # the driver boundary
+
+
 @dataclass
 class SqlBranch:
     xid: Xid
@@ -185,15 +199,10 @@ class SqlResource(Resource):
 
     # ------------------------------------------------------------------ errors
 
-    @contextlib.contextmanager
-    def translate(self, action: str, xid: Xid | None = None) -> Iterator[None]:
-        """Translate driver and SQLAlchemy errors into qtp's tree, naming the resource and the action."""
-        try:
-            yield
-        except QtpError:
-            raise
-        except Exception as exc:  # the driver boundary: every driver error is translated here
-            raise self._translate(exc, action, xid) from exc
+    def translate(self, action: str, xid: Xid | None = None) -> "_Translate":
+        """``with self.translate(...)``: driver and SQLAlchemy errors become qtp errors naming the resource
+        and the action (a class, not a generator: it sits on every branch's hot path)."""
+        return _Translate(self, action, xid)
 
     def _translate(self, exc: Exception, action: str, xid: Xid | None) -> QtpError:
         original = getattr(exc, "orig", None) or exc
