@@ -87,13 +87,18 @@ _RM_LOCALS = (
 _RM_TAGS = {version: {local: f"{{{ns}}}{local}" for local in _RM_LOCALS} for version, ns in RM_NS.items()}
 
 
-def _xpath(expression: str, version: RMVersion) -> etree.XPath:
-    return etree.XPath(expression, namespaces={"rm": RM_NS[version]}, smart_strings=False)
+def _range_xpaths(ns: str) -> tuple[etree.XPath, etree.XPath, etree.XPath]:
+    """The Lower attributes, the Upper attributes and the number of a SequenceAcknowledgement's ranges."""
+    lowers, uppers, count = (
+        etree.XPath(expression, namespaces={"rm": ns}, smart_strings=False)
+        for expression in ("rm:AcknowledgementRange/@Lower", "rm:AcknowledgementRange/@Upper",
+                           "count(rm:AcknowledgementRange)")
+    )
+    return lowers, uppers, count
 
 
-_RANGE_LOWERS = {version: _xpath("rm:AcknowledgementRange/@Lower", version) for version in RMVersion}
-_RANGE_UPPERS = {version: _xpath("rm:AcknowledgementRange/@Upper", version) for version in RMVersion}
-_RANGE_COUNT = {version: _xpath("count(rm:AcknowledgementRange)", version) for version in RMVersion}
+# {ns}AcknowledgementRange -> _range_xpaths(ns)
+_RANGE_XPATHS = {f"{{{ns}}}AcknowledgementRange": _range_xpaths(ns) for ns in RM_BY_NS}
 
 
 @functools.lru_cache(maxsize=8)
@@ -177,6 +182,8 @@ class _Reader:
 
     def number(self, text: str, what: str) -> int:
         text = text.strip()
+        if text.isdigit() and text.isascii() and len(text) <= 18 and text.strip("0"):
+            return int(text)  # plain digits, at least 1 and below MAX_MESSAGE_NUMBER (19 digits)
         if not _DIGITS.fullmatch(text):
             raise _bad(f"{what} is not an unsigned integer: {text[:40]!r}")
         value = int(text)
@@ -242,7 +249,8 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = 
         raise _bad(f"the envelope has {len(data)} bytes, more than the limit of {max_bytes}")
     if b"<!DOCTYPE" in data:  # entities can only be declared inside one; other encodings: docinfo below
         raise _bad("DTDs and entity declarations are not accepted")
-    data = bytes(data)
+    if type(data) is not bytes:
+        data = bytes(data)
     try:
         root = etree.fromstring(data, _PARSER)
     except etree.XMLSyntaxError as exc:
@@ -335,12 +343,12 @@ _UPPER = operator.methodcaller("get", "Upper", "")
 def _range_texts(reader: _Reader, block: Any) -> tuple[list[str], list[str]]:
     """The Lower and Upper attributes of the AcknowledgementRange children, in document order; a range
     lacking one of them gets '' in its place (refused as a number by the caller)."""
-    version = reader.rm
-    assert version is not None
-    lowers, uppers = _RANGE_LOWERS[version](block), _RANGE_UPPERS[version](block)
-    if len(lowers) == len(uppers) == _RANGE_COUNT[version](block):
+    tag = reader.tags["AcknowledgementRange"]
+    lowers_of, uppers_of, count_of = _RANGE_XPATHS[tag]
+    lowers, uppers = lowers_of(block), uppers_of(block)
+    if len(lowers) == len(uppers) == count_of(block):
         return lowers, uppers
-    found = list(block.iterchildren(reader.tags["AcknowledgementRange"]))
+    found = list(block.iterchildren(tag))
     return list(map(_LOWER, found)), list(map(_UPPER, found))
 
 
