@@ -356,3 +356,38 @@ def test_recovery_settings_are_checked(tmp_path, bad):
     path.write_text(f'[node]\nid = "n"\n\n[recovery]\n{bad}\n')
     with pytest.raises(Exception, match=r"\[recovery\]"):
         load_config(path)
+
+
+def test_a_branch_still_attached_to_a_dying_session_is_not_taken_for_resolved(maria_db, tmp_path):
+    """MariaDB lists a prepared branch whose session is still connected (a client that died a moment ago)
+    but answers "unknown xid" to XA COMMIT from elsewhere. Taking that for "already committed" would END the
+    decision, and the branch, detached later, would then be rolled back: recovery must wait instead."""
+    node = MemoryNode(tmp_path, extra="")
+    url = maria_db("attached")
+    node.config_path.write_text(node.config_path.read_text() + f'\n[resources.m]\nurl = "{url}"\n')
+    u = make_url(url)
+    session = pymysql.connect(host=u.host, port=u.port, user=u.username, database=u.database, autocommit=True)
+    gtrid = Xid.new_gtrid(node.node_id)
+    with session.cursor() as cur:
+        cur.execute("CREATE TABLE t (x int)")
+        xid = Xid.of(gtrid, "m").to_mysql()
+        for statement in (f"XA START {xid}", "INSERT INTO t VALUES (1)", f"XA END {xid}", f"XA PREPARE {xid}"):
+            cur.execute(statement)
+    node.prepare(gtrid, "x", "k", 1)
+    node.decide(gtrid, ["x", "m"])
+
+    report = recover_node(node.config())
+
+    assert not report.ok
+    assert {r.resource: r.problem for r in report.rows} == {"x": None, "m": "resource unreachable"}
+    assert read_log(node.log_dir).open == {gtrid.decode(): ["x", "m"]}, "no END while m is unresolved"
+    session.close()  # the server notices the client is gone
+    deadline = time.monotonic() + 10
+    while not (report := recover_node(node.config())).ok and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert report.ok and report.ended == [gtrid.decode()]
+    check = pymysql.connect(host=u.host, port=u.port, user=u.username, database=u.database)
+    with check.cursor() as cur:
+        cur.execute("SELECT count(*) FROM t")
+        assert cur.fetchone()[0] == 1, "the decided branch committed"
+    check.close()
