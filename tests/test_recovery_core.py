@@ -306,7 +306,8 @@ def test_qtp_recover_refuses_beside_a_live_manager(pg_db, tmp_path):
         assert f"pid {os.getpid()}" in proc.stderr and "qtp status" in proc.stderr
         as_json = subprocess.run([sys.executable, "-m", "qtp", "recover", "--config", str(config), "--json"],
                                  capture_output=True, text=True, timeout=60)
-        assert as_json.returncode == 3 and json.loads(as_json.stdout)["refused"].startswith("node 'live-node' is running")
+        assert as_json.returncode == 3
+        assert json.loads(as_json.stdout)["refused"].startswith("node 'live-node' is running")
         status = subprocess.run([sys.executable, "-m", "qtp", "status", "--config", str(config), "--json"],
                                 capture_output=True, text=True, timeout=60)
         assert json.loads(status.stdout)["log_locked_by"] == str(os.getpid())
