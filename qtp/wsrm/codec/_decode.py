@@ -258,7 +258,7 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = 
     docinfo = root.getroottree().docinfo
     if docinfo.doctype:
         raise _bad("DTDs are not accepted")
-    if not _fewer_elements_than(data, docinfo.encoding, max_depth) and _deeper_than(max_depth)(root):
+    if not _shallow(data, docinfo.encoding, max_depth) and _deeper_than(max_depth)(root):
         raise _bad(f"the envelope is nested deeper than {max_depth} elements")
     soap = _ENVELOPE.get(root.tag)
     if soap is None:
@@ -271,13 +271,15 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = 
         raise _bad(f"invalid value: {exc}") from exc
 
 
-def _fewer_elements_than(data: bytes, encoding: str | None, limit: int) -> bool:
-    """True when ``data`` cannot hold more than ``limit`` elements, so none can be deeper than ``limit``.
+def _shallow(data: bytes, encoding: str | None, max_depth: int) -> bool:
+    """True when ``data`` holds too few end tags for any element to be deeper than ``max_depth``.
 
-    Every element has a start tag, whose '<' is the byte 0x3C in a document that starts with that byte
-    and is read as UTF-8 (or as the UTF-16LE / UCS-4LE its first bytes announce).
+    Every element above the deepest one has an end tag, which starts with the bytes '</' in a document
+    that is read as UTF-8: one that starts with '<' followed by a byte other than NUL (not UTF-16 or
+    UCS-4) and declares UTF-8 or no encoding at all.
     """
-    return data[:1] == b"<" and encoding in _UTF8 and data.count(b"<") <= limit
+    return (data[:1] == b"<" and data[1:2] != b"\x00" and encoding in _UTF8
+            and data.count(b"</") < max_depth)
 
 
 def _envelope(reader: _Reader, root: Any) -> Envelope:
@@ -340,33 +342,39 @@ _LOWER = operator.methodcaller("get", "Lower", "")
 _UPPER = operator.methodcaller("get", "Upper", "")
 
 
-def _range_texts(reader: _Reader, block: Any) -> tuple[list[str], list[str]]:
-    """The Lower and Upper attributes of the AcknowledgementRange children, in document order; a range
-    lacking one of them gets '' in its place (refused as a number by the caller)."""
+def _range_texts(reader: _Reader, block: Any) -> tuple[list[str], list[str], int]:
+    """The Lower and Upper attributes of the AcknowledgementRange children, in document order (a range
+    lacking one of them gets '', refused as a number by the caller), and the number of those children."""
     tag = reader.tags["AcknowledgementRange"]
     lowers_of, uppers_of, count_of = _RANGE_XPATHS[tag]
-    lowers, uppers = lowers_of(block), uppers_of(block)
-    if len(lowers) == len(uppers) == count_of(block):
-        return lowers, uppers
+    lowers, uppers, count = lowers_of(block), uppers_of(block), int(count_of(block))
+    if len(lowers) == len(uppers) == count:
+        return lowers, uppers, count
     found = list(block.iterchildren(tag))
-    return list(map(_LOWER, found)), list(map(_UPPER, found))
+    return list(map(_LOWER, found)), list(map(_UPPER, found)), count
 
 
 def _acknowledgement(reader: _Reader, block: Any) -> None:
     invalid = FaultCode.INVALID_ACKNOWLEDGEMENT.value
     tags = reader.tags
-    lower_texts, upper_texts = _range_texts(reader, block)
+    lower_texts, upper_texts, count = _range_texts(reader, block)
     pairs: tuple[tuple[int, int], ...] = ()
     if lower_texts:
         lowers = reader.numbers(lower_texts, "AcknowledgementRange Lower")
         uppers = reader.numbers(upper_texts, "AcknowledgementRange Upper")
         pairs = tuple(zip(lowers, uppers))
-    nacks = reader.numbers([_text(e) for e in block.iterchildren(tags["Nack"])], "Nack")
-    none = next(block.iterchildren(tags["None"]), None) is not None
-    final = next(block.iterchildren(tags["Final"]), None) is not None
-    if (none or final) and reader.rm is RMVersion.WSRM10:
-        raise _bad("WS-RM 1.0 acknowledgements have no None or Final", invalid)
-    identifier = reader.identifier(block)
+    first = block[0] if len(block) == count + 1 else None
+    if first is not None and first.tag == tags["Identifier"]:  # the usual form: Identifier, then ranges
+        nacks: list[int] = []
+        none = final = False
+        identifier = _identifier(first, block)
+    else:
+        nacks = reader.numbers([_text(e) for e in block.iterchildren(tags["Nack"])], "Nack")
+        none = next(block.iterchildren(tags["None"]), None) is not None
+        final = next(block.iterchildren(tags["Final"]), None) is not None
+        if (none or final) and reader.rm is RMVersion.WSRM10:
+            raise _bad("WS-RM 1.0 acknowledgements have no None or Final", invalid)
+        identifier = reader.identifier(block)
     nack_tuple = tuple(sorted(set(nacks)))
     try:
         ack = SequenceAcknowledgement(identifier, pairs, nack_tuple, none, final)
