@@ -60,7 +60,7 @@ _START = {
     for wsa in WsaVersion
     for rm in (None, *RMVersion)
 }
-_CHECKED_PAYLOADS_MAX_BYTES = 64 * 1024
+_CHECKED_PAYLOADS_MAX_BYTES = 16 * 1024
 
 
 def _text(value: str) -> str:
@@ -213,8 +213,9 @@ def _ack_requested(w: _Writer, request: AckRequested) -> None:
 def _payload(payload: bytes) -> str:
     """The payload's text, once lxml has confirmed it is one well-formed UTF-8 element and nothing else.
 
-    The verdict on a payload of up to 64 KiB is remembered by value for the last 256 payloads, so that a
-    message encoded again (a retransmission) is not parsed again; a payload not seen before is parsed.
+    The verdict on a payload of up to 16 KiB is remembered by value for the last 256 payloads (4 MiB at
+    most), so that a message encoded again (a retransmission) is not parsed again; a payload not seen
+    before is parsed.
     """
     if type(payload) is bytes and len(payload) <= _CHECKED_PAYLOADS_MAX_BYTES:
         return _checked_payload(payload)
