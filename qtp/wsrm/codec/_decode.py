@@ -262,8 +262,7 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = 
         raise _bad(f"the envelope is nested deeper than {max_depth} elements")
     soap = _ENVELOPE.get(root.tag)
     if soap is None:
-        ns, local = _split(root.tag)
-        code = "VersionMismatch" if local == "Envelope" else SENDER
+        code = "VersionMismatch" if _split(root.tag)[1] == "Envelope" else SENDER
         raise _bad(f"the document is not a SOAP 1.1 or 1.2 Envelope: {root.tag[:80]}", code)
     try:
         return _envelope(_Reader(soap), root)
