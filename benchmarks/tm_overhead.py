@@ -7,10 +7,16 @@ database (d, e). Transactions per second at 1 and 16 threads:
   (c) qtp                                   (d) a plain local commit of both INSERTs in one database
   (e) qtp with both resource names on one database (shared branch: one local commit)
 
-Variants run interleaved in several rounds so that the machine's noise hits all of them alike; the
-figure for each is the median over rounds. Ratios are computed within this one run.
+Two more variants split qtp's cost into its parts (they are measurements, not modes anyone should run):
 
-    .venv/bin/python benchmarks/tm_overhead.py [--seconds 3] [--rounds 3] [--threads 1,16]
+  (a_sqla) the hand-written 2PC of (a), but with the INSERTs through SQLAlchemy Core connections, as in (c)
+  (c_nosync) qtp with the decision log's fdatasync replaced by nothing (NOT durable)
+
+Variants run in many short rounds, in a shuffled order each round, so that the machine's noise and any drift
+(table growth, checkpoints) hit all of them alike; the figure for each is the median over rounds. Ratios are
+computed within this one run.
+
+    .venv/bin/python benchmarks/tm_overhead.py [--seconds 1] [--rounds 8] [--threads 1,16]
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -75,6 +82,27 @@ def variant_a(url_a: str, url_b: str):
     return run, None
 
 
+def variant_a_sqla(url_a: str, url_b: str):
+    """(a) with the statements through SQLAlchemy Core: what the SQL layer alone costs, with no manager."""
+    eng_a = sqlalchemy.create_engine(url_a, pool_size=20, max_overflow=20)
+    eng_b = sqlalchemy.create_engine(url_b, pool_size=20, max_overflow=20)
+
+    def run() -> None:
+        gtrid = uuid.uuid4().hex
+        with eng_a.connect() as ca, eng_b.connect() as cb:
+            ra, rb = ca.connection.dbapi_connection, cb.connection.dbapi_connection
+            ra.tpc_begin(ra.xid(1, gtrid, "a"))
+            rb.tpc_begin(rb.xid(1, gtrid, "b"))
+            ca.execute(insert(t_a), {"v": "x"})
+            cb.execute(insert(t_b), {"v": "x"})
+            ra.tpc_prepare()
+            rb.tpc_prepare()
+            ra.tpc_commit()
+            rb.tpc_commit()
+
+    return run, lambda: (eng_a.dispose(), eng_b.dispose())
+
+
 def variant_b(url_a: str, url_b: str):
     """SQLAlchemy's own two-phase Session over two engines."""
     eng_a = sqlalchemy.create_engine(url_a, pool_size=20, max_overflow=20)
@@ -106,6 +134,12 @@ def variant_c(url_a: str, url_b: str):
             tx.connection("a").execute(insert(t_a), {"v": "x"})
             tx.connection("b").execute(insert(t_b), {"v": "x"})
 
+    return run, tm
+
+
+def variant_c_nosync(url_a: str, url_b: str):
+    run, tm = variant_c(url_a, url_b)
+    tm.log._sync = lambda fd: None  # decomposition only: without the fsync the decision is not durable
     return run, tm
 
 
@@ -147,12 +181,14 @@ def variant_e(url_a: str, url_b: str):
     return run, tm
 
 
-VARIANTS = {"a": variant_a, "b": variant_b, "c": variant_c, "d": variant_d, "d_raw": variant_d_raw,
-            "e": variant_e}
+VARIANTS = {"a": variant_a, "a_sqla": variant_a_sqla, "b": variant_b, "c": variant_c, "c_nosync": variant_c_nosync,
+            "d": variant_d, "d_raw": variant_d_raw, "e": variant_e}
 LABELS = {
     "a": "hand-written psycopg2 2PC, no log",
+    "a_sqla": "(a) with INSERTs through SQLAlchemy Core",
     "b": "SQLAlchemy Session(twophase=True)",
     "c": "qtp (2 databases)",
+    "c_nosync": "(c) without the log fsync (NOT durable)",
     "d": "local commit, SQLAlchemy Core (1 database)",
     "d_raw": "local commit, bare psycopg2 (1 database)",
     "e": "qtp, shared branch (1 database)",
@@ -214,8 +250,8 @@ def machine() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per variant per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=1.0, help="measuring time per variant per round")
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", default="1,16")
     parser.add_argument("--root", default=".qtp/pg", help="the private PostgreSQL server's folder")
     parser.add_argument("--json", help="also write the figures to this file")
@@ -236,10 +272,13 @@ def main() -> int:
     thread_counts = [int(t) for t in args.threads.split(",")]
     results: dict[str, dict[int, list[float]]] = {v: {t: [] for t in thread_counts} for v in VARIANTS}
     fsync_share: dict[int, list[float]] = {t: [] for t in thread_counts}
+    shuffle = random.Random(7)
     for round_no in range(1, args.rounds + 1):
         for threads in thread_counts:
-            for key, make in VARIANTS.items():
-                run, resource = make(*urls)
+            order = list(VARIANTS)
+            shuffle.shuffle(order)
+            for key in order:
+                run, resource = VARIANTS[key](*urls)
                 before = (resource.log.forced_records, resource.log.fsyncs) if key == "c" else None
                 rate = measure(run, threads, args.seconds)
                 results[key][threads].append(rate)
