@@ -308,6 +308,7 @@ class EmbeddedMariaDB:
     def start(self) -> MariaDBInfo:
         if self.running():
             self.info = MariaDBInfo(**json.loads(self.state_file.read_text()))
+            self.create_database("qtp")
             return self.info
         self.root.mkdir(parents=True, exist_ok=True)
         if not (self.datadir / "mysql").exists():
@@ -330,6 +331,7 @@ class EmbeddedMariaDB:
         _wait_for_port(port, lambda: self._proc.pid, "MariaDB", self.log)
         self.info = MariaDBInfo(datadir=str(self.datadir), port=port, socket=sock, pid=self._proc.pid)
         self.state_file.write_text(json.dumps(asdict(self.info)))
+        self.create_database("qtp")  # the database ``url()`` names by default, so a printed URL works as is
         return self.info
 
     def stop(self) -> None:

@@ -44,3 +44,14 @@ def test_postgres_survives_kill_9_with_committed_data(pg_server, pg_db):
         cur.execute("SELECT x FROM t")
         assert cur.fetchall() == [(42,)]
     conn.close()
+
+
+def test_printed_urls_work_as_printed(pg_server, maria_server):
+    """The default URLs (what `qtp db url` prints) name databases that exist after start()."""
+    import sqlalchemy
+
+    for url in (pg_server.info.url(), maria_server.info.url()):
+        engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+        with engine.connect() as conn:
+            assert conn.execute(sqlalchemy.text("SELECT 1")).scalar() == 1
+        engine.dispose()
