@@ -1,0 +1,249 @@
+"""The store contract: where a node keeps its WS-RM state, written once.
+
+A node's reliable-messaging state is six kinds of record, after the storage API of the Mercury
+dissertation (seed 000, chapter 4):
+
+- **outgoing messages** (RM Source side): enqueued by an application transaction on a *route* (a channel
+  name, or ``offer:<identifier>`` for the replies of an offered sequence), numbered later by the sender
+  (sequence key + message number), deleted once acknowledged;
+- **source records**: one ``SourceRecord`` per RM Source sequence (``to_row`` / ``from_row``);
+- **destination records**: one ``DestinationRecord`` per RM Destination sequence, with the facts the
+  runtime needs beside the machine (where replies go, which channel an offered sequence belongs to);
+- **incoming messages**: the payloads the destination accepted, stored before they are acknowledged and
+  deleted by the transaction that applies them (the *dequeue*);
+- **invoker records**: one ``InvokerRecord`` per destination sequence, the numbers already applied;
+- **dead letters**: messages whose handler kept failing, with the error text.
+
+Every method takes a *session* ``s`` as its first argument. A session is the store's unit of atomicity:
+
+- ``with store.local() as s:`` a local transaction of the store (the sender's numbering, the endpoint's
+  receive path, acknowledgements): committed when the block ends, rolled back on an exception;
+- ``store.enlisted(tx)``: the store's part of global transaction ``tx``. For a SQL store in ``xa`` mode
+  this is the branch connection of its resource (``tx.connection(name)``), so enqueue and dequeue commit
+  or roll back with the application's own updates, in one local commit when the application's database
+  is the store's. Buffered sessions (``memory`` and ``persistent`` modes) record the calls and replay them
+  in a local transaction after the global transaction commits: that is what makes those modes lose or
+  duplicate messages when a node dies between the two commits (docs/messaging.md lists the windows).
+
+Rules every implementation keeps (tests/test_wsrm_store.py runs them on memory, PostgreSQL and MariaDB):
+
+- ``enqueue`` takes no lock that another sending transaction waits for: concurrent senders never
+  serialise on a shared row. Outgoing messages get increasing ``seq`` ids; ``unnumbered`` returns them
+  in ``seq`` order, which is the order of enqueue within one application thread.
+- ``store_incoming`` of a (identifier, number) already stored is a no-op (a retransmission) and returns
+  False; ``consume`` returns False when the message was not there (already applied).
+- A record saved in a session is read back by ``sources()`` / ``destinations()`` / ``invokers()`` once
+  that session committed, and is absent if it rolled back.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from qtp.wsrm.protocol import AckRanges, DestinationRecord, InvokerRecord, SourceRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One application message (or reply) waiting at the RM Source."""
+
+    route: str
+    message_id: str
+    action: str
+    payload: bytes | None
+    enqueued_at: float
+    relates_to: str | None = None   # for replies and faults: the request's message id
+    fault: str | None = None        # an application fault travelling back (its reason text)
+    seq: int | None = None          # the store's enqueue order, set by the store
+    key: str | None = None          # the RM Source sequence it was numbered in
+    number: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """One message accepted by an RM Destination, waiting for its handler."""
+
+    identifier: str
+    number: int
+    message_id: str
+    action: str
+    payload: bytes | None
+    received_at: float
+    enqueued_at: float | None = None  # the sender's enqueue time, when the sender told it (qtp peers)
+    relates_to: str | None = None
+    fault: str | None = None
+    attempts: int = 0
+    not_before: float = 0.0
+    last_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    id: int
+    message: Incoming
+    error: str
+    failed_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class DestinationInfo:
+    """What the runtime keeps beside an RM Destination machine.
+
+    ``reply_to``: where replies to this sequence's messages go (the peer's endpoint), if anywhere;
+    ``channel``: for a sequence our own RM Source offered (replies coming back), the channel it serves.
+    ``soap`` / ``wsa``: the versions the peer spoke when it created the sequence.
+    """
+
+    reply_to: str | None = None
+    channel: str | None = None
+    soap: str = "1.2"
+    wsa: str = "2005/08"
+    acks_to: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SourceInfo:
+    """What the runtime keeps beside an RM Source machine: its route and the peer it talks to."""
+
+    route: str
+    peer: str
+    soap: str = "1.2"
+    wsa: str = "2005/08"
+
+
+class Session(abc.ABC):
+    """A store's unit of atomicity (see the module docstring); only the store knows what is inside."""
+
+
+class Store(abc.ABC):
+    """Where a node keeps its WS-RM state. See the module docstring for the rules."""
+
+    name: str
+    durable: bool  # False: nothing survives the process (memory)
+
+    @abc.abstractmethod
+    def create(self) -> None:
+        """Create what the store needs (tables) if missing; safe to call on every start."""
+
+    @abc.abstractmethod
+    def local(self) -> contextlib.AbstractContextManager[Any]:
+        """A local transaction of the store: ``with store.local() as s:``."""
+
+    def close(self) -> None:
+        """Release connections."""
+
+    # ------------------------------------------------------------------ RM Source side
+
+    @abc.abstractmethod
+    def enqueue(self, s: Any, message: Outgoing) -> None:
+        """Add ``message`` (its ``seq``, ``key`` and ``number`` are ignored) to its route's outgoing queue."""
+
+    @abc.abstractmethod
+    def unnumbered(self, s: Any, route: str, limit: int) -> list[Outgoing]:
+        """At most ``limit`` messages of ``route`` not yet numbered, oldest ``seq`` first."""
+
+    @abc.abstractmethod
+    def assign(self, s: Any, key: str, numbered: list[tuple[int, int]]) -> None:
+        """Give each ``(seq, number)`` its number in sequence ``key``."""
+
+    @abc.abstractmethod
+    def numbered(self, s: Any, key: str, numbers: list[int] | None = None) -> list[Outgoing]:
+        """The messages of sequence ``key`` (only ``numbers`` when given), by number."""
+
+    @abc.abstractmethod
+    def acknowledged(self, s: Any, key: str, ranges: AckRanges) -> int:
+        """Delete the messages of ``key`` whose numbers are in ``ranges``; return how many were deleted."""
+
+    @abc.abstractmethod
+    def backlog(self, s: Any, route: str | None = None) -> int:
+        """Outgoing messages not yet acknowledged (of ``route``, or of every route)."""
+
+    @abc.abstractmethod
+    def save_source(self, s: Any, info: SourceInfo, record: SourceRecord) -> None:
+        """Insert or replace the record of RM Source sequence ``record.key``."""
+
+    @abc.abstractmethod
+    def sources(self, s: Any) -> list[tuple[SourceInfo, SourceRecord]]:
+        """Every saved RM Source record."""
+
+    @abc.abstractmethod
+    def drop_source(self, s: Any, key: str) -> None:
+        """Forget an ended RM Source sequence (and any of its messages still stored)."""
+
+    # ------------------------------------------------------------------ RM Destination side
+
+    @abc.abstractmethod
+    def save_destination(self, s: Any, info: DestinationInfo, record: DestinationRecord) -> None:
+        """Insert or replace the record of RM Destination sequence ``record.identifier``."""
+
+    @abc.abstractmethod
+    def destinations(self, s: Any) -> list[tuple[DestinationInfo, DestinationRecord]]:
+        """Every saved RM Destination record."""
+
+    @abc.abstractmethod
+    def drop_destination(self, s: Any, identifier: str) -> None:
+        """Forget a finished destination sequence, its invoker record and any stored message of it."""
+
+    @abc.abstractmethod
+    def store_incoming(self, s: Any, message: Incoming) -> bool:
+        """Store an accepted message; False (and nothing changes) when it is already stored."""
+
+    @abc.abstractmethod
+    def incoming(self, s: Any, identifier: str | None = None) -> list[Incoming]:
+        """Stored messages not yet applied (of one sequence, or all), by identifier then number."""
+
+    @abc.abstractmethod
+    def consume(self, s: Any, identifier: str, number: int) -> bool:
+        """The dequeue: delete a stored message. False when it was not there."""
+
+    @abc.abstractmethod
+    def note_failure(self, s: Any, identifier: str, number: int, error: str, not_before: float) -> None:
+        """Count a failed attempt of a stored message; do not retry it before ``not_before``."""
+
+    @abc.abstractmethod
+    def save_invoker(self, s: Any, record: InvokerRecord) -> None:
+        """Insert or replace the invoker record of ``record.identifier``."""
+
+    @abc.abstractmethod
+    def invokers(self, s: Any) -> list[InvokerRecord]:
+        """Every saved invoker record."""
+
+    # ------------------------------------------------------------------ dead letters
+
+    @abc.abstractmethod
+    def dead_letter(self, s: Any, message: Incoming, error: str, now: float) -> None:
+        """Move a stored message to the dead letters (consuming it)."""
+
+    @abc.abstractmethod
+    def dead_letters(self, s: Any) -> list[DeadLetter]:
+        """Every dead letter, oldest first."""
+
+    @abc.abstractmethod
+    def take_dead_letter(self, s: Any, letter_id: int) -> DeadLetter | None:
+        """Remove and return one dead letter (None when there is no such id)."""
+
+
+class Buffered:
+    """A session that records store calls and replays them later in one local transaction.
+
+    Used by the ``memory`` and ``persistent`` modes: the calls run after the application's transaction
+    committed, in the store's own local transaction.
+    """
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def record(self, method: str, *args: Any) -> None:
+        self.calls.append((method, args))
+
+    def replay(self) -> None:
+        if not self.calls:
+            return
+        with self.store.local() as s:
+            for method, args in self.calls:
+                getattr(self.store, method)(s, *args)
+        self.calls.clear()

@@ -1,0 +1,282 @@
+"""The SQL store: WS-RM state in tables of a PostgreSQL or MariaDB database, defined once with SQLAlchemy Core.
+
+Sessions are SQLAlchemy ``Connection`` objects: the store's own engine for local transactions, or the
+branch connection of a global transaction (``tx.connection(resource)``), so that in ``xa`` mode enqueue
+and dequeue are statements of the application's transaction.
+
+Why concurrent senders do not serialise: ``enqueue`` is a single INSERT into ``qtp_rm_outgoing`` whose
+key comes from the database's identity column; it touches no shared row. Message numbers are given later
+by the node's one sender thread, in its own short local transaction (``assign``), so no lock is ever held
+across a two-phase commit on behalf of a sequence.
+
+Tables are created by ``create()`` outside any XA transaction (MariaDB refuses DDL inside one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any, Iterator
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Connection, Engine
+
+from qtp.wsrm.protocol import (
+    AckRanges,
+    DestinationRecord,
+    InvokerRecord,
+    SourceRecord,
+    from_row,
+    to_row,
+)
+from qtp.wsrm.store._contract import (
+    DeadLetter,
+    DestinationInfo,
+    Incoming,
+    Outgoing,
+    SourceInfo,
+    Store,
+)
+
+_BLOB = sa.LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
+_TEXT = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+_ID = sa.String(255)
+
+metadata = sa.MetaData()
+
+outgoing = sa.Table(
+    "qtp_rm_outgoing", metadata,
+    sa.Column("seq", sa.BigInteger().with_variant(sa.Integer, "sqlite"), sa.Identity(), primary_key=True),
+    sa.Column("route", _ID, nullable=False),
+    sa.Column("message_id", _ID, nullable=False),
+    sa.Column("action", sa.String(1024), nullable=False),
+    sa.Column("payload", _BLOB),
+    sa.Column("relates_to", _ID),
+    sa.Column("fault", _TEXT),
+    sa.Column("enqueued_at", sa.Float(53), nullable=False),
+    sa.Column("seq_key", sa.String(64)),
+    sa.Column("number", sa.BigInteger),
+    sa.Index("qtp_rm_outgoing_route", "route", "seq_key", "seq"),
+    sa.Index("qtp_rm_outgoing_number", "seq_key", "number"),
+)
+
+sources = sa.Table(
+    "qtp_rm_source", metadata,
+    sa.Column("seq_key", sa.String(64), primary_key=True),
+    sa.Column("info", _TEXT, nullable=False),
+    sa.Column("record", _TEXT, nullable=False),
+)
+
+destinations = sa.Table(
+    "qtp_rm_destination", metadata,
+    sa.Column("identifier", _ID, primary_key=True),
+    sa.Column("info", _TEXT, nullable=False),
+    sa.Column("record", _TEXT, nullable=False),
+)
+
+incoming = sa.Table(
+    "qtp_rm_incoming", metadata,
+    sa.Column("identifier", _ID, primary_key=True),
+    sa.Column("number", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("message_id", _ID, nullable=False),
+    sa.Column("action", sa.String(1024), nullable=False),
+    sa.Column("payload", _BLOB),
+    sa.Column("relates_to", _ID),
+    sa.Column("fault", _TEXT),
+    sa.Column("received_at", sa.Float(53), nullable=False),
+    sa.Column("enqueued_at", sa.Float(53)),
+    sa.Column("attempts", sa.Integer, nullable=False, default=0),
+    sa.Column("not_before", sa.Float(53), nullable=False, default=0.0),
+    sa.Column("last_error", _TEXT),
+)
+
+invokers = sa.Table(
+    "qtp_rm_invoker", metadata,
+    sa.Column("identifier", _ID, primary_key=True),
+    sa.Column("record", _TEXT, nullable=False),
+)
+
+dead_letters = sa.Table(
+    "qtp_rm_dead_letter", metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), sa.Identity(), primary_key=True),
+    sa.Column("identifier", _ID, nullable=False),
+    sa.Column("number", sa.BigInteger, nullable=False),
+    sa.Column("message", _TEXT, nullable=False),
+    sa.Column("payload", _BLOB),
+    sa.Column("error", _TEXT, nullable=False),
+    sa.Column("failed_at", sa.Float(53), nullable=False),
+)
+
+_INCOMING_FIELDS = ("identifier", "number", "message_id", "action", "payload", "relates_to", "fault",
+                    "received_at", "enqueued_at", "attempts", "not_before", "last_error")
+
+
+def _dump(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _incoming(row: Any) -> Incoming:
+    m = row._mapping
+    return Incoming(**{f: m[f] for f in _INCOMING_FIELDS})
+
+
+def _outgoing(row: Any) -> Outgoing:
+    m = row._mapping
+    return Outgoing(route=m["route"], message_id=m["message_id"], action=m["action"], payload=m["payload"],
+                    enqueued_at=m["enqueued_at"], relates_to=m["relates_to"], fault=m["fault"], seq=m["seq"],
+                    key=m["seq_key"], number=m["number"])
+
+
+class SqlStore(Store):
+    """The store in one SQL database. ``resource`` is the name of the qtp resource it belongs to."""
+
+    durable = True
+
+    def __init__(self, resource: str, engine: Engine):
+        self.name = resource
+        self.engine = engine
+
+    def __repr__(self) -> str:
+        return f"<SqlStore {self.name} {self.engine.url.render_as_string(hide_password=True)}>"
+
+    def create(self) -> None:
+        metadata.create_all(self.engine)
+
+    @contextlib.contextmanager
+    def local(self) -> Iterator[Connection]:
+        with self.engine.begin() as conn:
+            yield conn
+
+    # ------------------------------------------------------------------ RM Source side
+
+    def enqueue(self, s: Connection, message: Outgoing) -> None:
+        s.execute(outgoing.insert(), {
+            "route": message.route, "message_id": message.message_id, "action": message.action,
+            "payload": message.payload, "relates_to": message.relates_to, "fault": message.fault,
+            "enqueued_at": message.enqueued_at,
+        })
+
+    def unnumbered(self, s: Connection, route: str, limit: int) -> list[Outgoing]:
+        query = (outgoing.select().where(outgoing.c.route == route, outgoing.c.seq_key.is_(None))
+                 .order_by(outgoing.c.seq).limit(limit))
+        return [_outgoing(row) for row in s.execute(query)]
+
+    def assign(self, s: Connection, key: str, numbered: list[tuple[int, int]]) -> None:
+        if numbered:
+            s.execute(outgoing.update().where(outgoing.c.seq == sa.bindparam("b_seq"))
+                      .values(seq_key=key, number=sa.bindparam("b_number")),
+                      [{"b_seq": seq, "b_number": number} for seq, number in numbered])
+
+    def numbered(self, s: Connection, key: str, numbers: list[int] | None = None) -> list[Outgoing]:
+        query = outgoing.select().where(outgoing.c.seq_key == key)
+        if numbers is not None:
+            query = query.where(outgoing.c.number.in_(numbers))
+        return [_outgoing(row) for row in s.execute(query.order_by(outgoing.c.number))]
+
+    def acknowledged(self, s: Connection, key: str, ranges: AckRanges) -> int:
+        if not ranges:
+            return 0
+        within = sa.or_(*(outgoing.c.number.between(lower, upper) for lower, upper in ranges))
+        return s.execute(outgoing.delete().where(outgoing.c.seq_key == key, within)).rowcount
+
+    def backlog(self, s: Connection, route: str | None = None) -> int:
+        query = sa.select(sa.func.count()).select_from(outgoing)
+        if route is not None:
+            query = query.where(outgoing.c.route == route)
+        return int(s.execute(query).scalar_one())
+
+    def save_source(self, s: Connection, info: SourceInfo, record: SourceRecord) -> None:
+        self._upsert(s, sources, {"seq_key": record.key},
+                     {"info": _dump(_fields(info)), "record": _dump(to_row(record))})
+
+    def sources(self, s: Connection) -> list[tuple[SourceInfo, SourceRecord]]:
+        return [(SourceInfo(**json.loads(row.info)), from_row(SourceRecord, json.loads(row.record)))
+                for row in s.execute(sources.select().order_by(sources.c.seq_key))]
+
+    def drop_source(self, s: Connection, key: str) -> None:
+        s.execute(outgoing.delete().where(outgoing.c.seq_key == key))
+        s.execute(sources.delete().where(sources.c.seq_key == key))
+
+    # ------------------------------------------------------------------ RM Destination side
+
+    def save_destination(self, s: Connection, info: DestinationInfo, record: DestinationRecord) -> None:
+        self._upsert(s, destinations, {"identifier": record.identifier},
+                     {"info": _dump(_fields(info)), "record": _dump(to_row(record))})
+
+    def destinations(self, s: Connection) -> list[tuple[DestinationInfo, DestinationRecord]]:
+        return [(DestinationInfo(**json.loads(row.info)), from_row(DestinationRecord, json.loads(row.record)))
+                for row in s.execute(destinations.select().order_by(destinations.c.identifier))]
+
+    def drop_destination(self, s: Connection, identifier: str) -> None:
+        for table in (incoming, invokers, destinations):
+            s.execute(table.delete().where(table.c.identifier == identifier))
+
+    def store_incoming(self, s: Connection, message: Incoming) -> bool:
+        exists = s.execute(sa.select(incoming.c.number).where(
+            incoming.c.identifier == message.identifier, incoming.c.number == message.number)).first()
+        if exists is not None:
+            return False
+        s.execute(incoming.insert(), {f: getattr(message, f) for f in _INCOMING_FIELDS})
+        return True
+
+    def incoming(self, s: Connection, identifier: str | None = None) -> list[Incoming]:
+        query = incoming.select().order_by(incoming.c.identifier, incoming.c.number)
+        if identifier is not None:
+            query = query.where(incoming.c.identifier == identifier)
+        return [_incoming(row) for row in s.execute(query)]
+
+    def consume(self, s: Connection, identifier: str, number: int) -> bool:
+        result = s.execute(incoming.delete().where(incoming.c.identifier == identifier,
+                                                   incoming.c.number == number))
+        return result.rowcount == 1
+
+    def note_failure(self, s: Connection, identifier: str, number: int, error: str, not_before: float) -> None:
+        s.execute(incoming.update().where(incoming.c.identifier == identifier, incoming.c.number == number)
+                  .values(attempts=incoming.c.attempts + 1, not_before=not_before, last_error=error[:4000]))
+
+    def save_invoker(self, s: Connection, record: InvokerRecord) -> None:
+        self._upsert(s, invokers, {"identifier": record.identifier}, {"record": _dump(to_row(record))})
+
+    def invokers(self, s: Connection) -> list[InvokerRecord]:
+        return [from_row(InvokerRecord, json.loads(row.record))
+                for row in s.execute(invokers.select().order_by(invokers.c.identifier))]
+
+    # ------------------------------------------------------------------ dead letters
+
+    def dead_letter(self, s: Connection, message: Incoming, error: str, now: float) -> None:
+        self.consume(s, message.identifier, message.number)
+        described = {f: getattr(message, f) for f in _INCOMING_FIELDS if f != "payload"}
+        s.execute(dead_letters.insert(), {"identifier": message.identifier, "number": message.number,
+                                          "message": _dump(described), "payload": message.payload,
+                                          "error": error[:4000], "failed_at": now})
+
+    def dead_letters(self, s: Connection) -> list[DeadLetter]:
+        return [self._letter(row) for row in s.execute(dead_letters.select().order_by(dead_letters.c.id))]
+
+    def take_dead_letter(self, s: Connection, letter_id: int) -> DeadLetter | None:
+        row = s.execute(dead_letters.select().where(dead_letters.c.id == letter_id)).first()
+        if row is None:
+            return None
+        s.execute(dead_letters.delete().where(dead_letters.c.id == letter_id))
+        return self._letter(row)
+
+    @staticmethod
+    def _letter(row: Any) -> DeadLetter:
+        fields = json.loads(row.message)
+        return DeadLetter(id=row.id, message=Incoming(payload=row.payload, **fields), error=row.error,
+                          failed_at=row.failed_at)
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _upsert(s: Connection, table: sa.Table, key: dict[str, Any], values: dict[str, Any]) -> None:
+        """Update the row of ``key``, inserting it when missing (the node's one process is the only writer)."""
+        column, value = next(iter(key.items()))
+        updated = s.execute(table.update().where(table.c[column] == value).values(**values)).rowcount
+        if updated == 0:
+            s.execute(table.insert().values(**key, **values))
+
+
+def _fields(value: Any) -> dict[str, Any]:
+    return {name: getattr(value, name) for name in value.__slots__}

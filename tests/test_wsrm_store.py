@@ -1,0 +1,184 @@
+"""The store contract, run on the in-memory store, PostgreSQL and MariaDB alike."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import sqlalchemy
+
+import qtp
+from qtp.wsrm.protocol import DestinationRecord, InvokerRecord, RMVersion, SourceRecord, SourceState
+from qtp.wsrm.store import DestinationInfo, Incoming, MemoryStore, Outgoing, SourceInfo, SqlStore
+
+
+@pytest.fixture(params=["memory", "postgresql", "mariadb"])
+def store(request):
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    url = request.getfixturevalue("pg_db" if request.param == "postgresql" else "maria_db")("store")
+    engine = sqlalchemy.create_engine(url)
+    s = SqlStore("store", engine)
+    s.create()
+    s.create()  # idempotent
+    yield s
+    engine.dispose()
+
+
+def _out(route: str, i: int, payload: bytes | None = b"<a/>") -> Outgoing:
+    return Outgoing(route=route, message_id=f"urn:uuid:{route}-{i}", action="urn:a", payload=payload,
+                    enqueued_at=1000.0 + i)
+
+
+def _in(identifier: str, number: int) -> Incoming:
+    return Incoming(identifier=identifier, number=number, message_id=f"urn:uuid:m{number}", action="urn:a",
+                    payload=f"<p n='{number}'/>".encode(), received_at=5.0, enqueued_at=4.5, relates_to=None)
+
+
+def test_outgoing_numbering_and_acknowledgement(store):
+    with store.local() as s:
+        for i in range(5):
+            store.enqueue(s, _out("orders", i))
+        store.enqueue(s, _out("other", 9))
+    with store.local() as s:
+        first = store.unnumbered(s, "orders", 3)
+        assert [m.message_id for m in first] == [f"urn:uuid:orders-{i}" for i in range(3)]
+        store.assign(s, "k1", [(m.seq, n) for n, m in enumerate(first, start=1)])
+    with store.local() as s:
+        rest = store.unnumbered(s, "orders", 10)
+        assert [m.message_id for m in rest] == ["urn:uuid:orders-3", "urn:uuid:orders-4"]
+        numbered = store.numbered(s, "k1")
+        assert [(m.number, m.payload, m.key) for m in numbered] == [(1, b"<a/>", "k1"), (2, b"<a/>", "k1"),
+                                                                     (3, b"<a/>", "k1")]
+        assert [m.number for m in store.numbered(s, "k1", [2])] == [2]
+        assert store.backlog(s, "orders") == 5 and store.backlog(s) == 6
+    with store.local() as s:
+        assert store.acknowledged(s, "k1", ((1, 2),)) == 2
+        assert store.acknowledged(s, "k1", ((1, 2),)) == 0
+    with store.local() as s:
+        assert [m.number for m in store.numbered(s, "k1")] == [3]
+        assert store.backlog(s, "orders") == 3
+
+
+def test_a_failed_local_transaction_leaves_nothing(store):
+    with pytest.raises(RuntimeError):
+        with store.local() as s:
+            store.enqueue(s, _out("orders", 1))
+            store.store_incoming(s, _in("urn:x", 1))
+            raise RuntimeError("boom")
+    with store.local() as s:
+        assert store.backlog(s) == 0 and store.incoming(s) == []
+
+
+def test_source_destination_and_invoker_records_round_trip(store):
+    source = SourceRecord("k1", RMVersion.WSRM11, state=SourceState.ACTIVE, identifier="urn:s",
+                          pending=((1, 1, 3.5),), acked=((1, 4),))
+    destination = DestinationRecord("urn:d", RMVersion.WSRM10, received=((1, 3), (5, 5)))
+    invoker = InvokerRecord("urn:d", True, delivered=((1, 2),))
+    info = DestinationInfo(reply_to="http://peer/rm", channel=None, soap="1.1", wsa="2004/08")
+    with store.local() as s:
+        store.save_source(s, SourceInfo("orders", "http://peer/rm"), source)
+        store.save_destination(s, info, destination)
+        store.save_invoker(s, invoker)
+    with store.local() as s:
+        assert store.sources(s) == [(SourceInfo("orders", "http://peer/rm"), source)]
+        assert store.destinations(s) == [(info, destination)]
+        assert store.invokers(s) == [invoker]
+        store.save_source(s, SourceInfo("orders", "http://peer/rm"), SourceRecord("k1", RMVersion.WSRM11))
+    with store.local() as s:
+        assert store.sources(s)[0][1].state is SourceState.NEW
+        store.drop_source(s, "k1")
+        store.drop_destination(s, "urn:d")
+    with store.local() as s:
+        assert store.sources(s) == [] and store.destinations(s) == [] and store.invokers(s) == []
+
+
+def test_incoming_is_stored_once_and_consumed_once(store):
+    with store.local() as s:
+        assert store.store_incoming(s, _in("urn:d", 2))
+        assert store.store_incoming(s, _in("urn:d", 1))
+        assert not store.store_incoming(s, _in("urn:d", 1))
+        assert store.store_incoming(s, _in("urn:e", 1))
+    with store.local() as s:
+        assert [(m.identifier, m.number) for m in store.incoming(s)] == [("urn:d", 1), ("urn:d", 2), ("urn:e", 1)]
+        assert store.incoming(s, "urn:d")[1].payload == b"<p n='2'/>"
+        store.note_failure(s, "urn:d", 1, "handler said no", 99.0)
+    with store.local() as s:
+        failed = store.incoming(s, "urn:d")[0]
+        assert (failed.attempts, failed.not_before, failed.last_error) == (1, 99.0, "handler said no")
+        assert store.consume(s, "urn:d", 1)
+        assert not store.consume(s, "urn:d", 1)
+    with store.local() as s:
+        assert [m.number for m in store.incoming(s, "urn:d")] == [2]
+
+
+def test_dead_letters(store):
+    with store.local() as s:
+        store.store_incoming(s, _in("urn:d", 1))
+        store.store_incoming(s, _in("urn:d", 2))
+    with store.local() as s:
+        store.dead_letter(s, store.incoming(s)[0], "ValueError: bad order", 10.0)
+    with store.local() as s:
+        letters = store.dead_letters(s)
+        assert len(letters) == 1 and letters[0].error == "ValueError: bad order"
+        assert letters[0].message.payload == b"<p n='1'/>" and letters[0].message.number == 1
+        assert [m.number for m in store.incoming(s)] == [2]
+        taken = store.take_dead_letter(s, letters[0].id)
+        assert taken == letters[0]
+        assert store.take_dead_letter(s, letters[0].id) is None
+    with store.local() as s:
+        assert store.dead_letters(s) == []
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mariadb"])
+def test_enqueue_joins_the_global_transaction(kind, request, tmp_path):
+    """Enqueued through a branch of a global transaction: there iff the transaction committed."""
+    url = request.getfixturevalue("pg_db" if kind == "postgresql" else "maria_db")("app")
+    tm = qtp.TransactionManager("store-node", tmp_path, recovery_interval=None)
+    resource = tm.add_resource("app", url)
+    store = SqlStore("app", resource.engine)
+    store.create()
+    with pytest.raises(ZeroDivisionError):
+        with tm.transaction() as tx:
+            store.enqueue(tx.connection("app"), _out("orders", 1))
+            1 / 0
+    with tm.transaction() as tx:
+        store.enqueue(tx.connection("app"), _out("orders", 2))
+    with store.local() as s:
+        assert [m.message_id for m in store.unnumbered(s, "orders", 10)] == ["urn:uuid:orders-2"]
+    tm.close()
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mariadb"])
+def test_concurrent_senders_do_not_wait_for_each_other(kind, request, tmp_path):
+    """Two transactions enqueue on one route; the first stays open (holding whatever it locked) while the
+    second enqueues and commits. If enqueue took a shared lock the second would block until the timeout."""
+    url = request.getfixturevalue("pg_db" if kind == "postgresql" else "maria_db")("app")
+    tm = qtp.TransactionManager("store-node", tmp_path, recovery_interval=None)
+    resource = tm.add_resource("app", url)
+    store = SqlStore("app", resource.engine)
+    store.create()
+    holding, release, done = threading.Event(), threading.Event(), []
+
+    def first() -> None:
+        with tm.transaction() as tx:
+            store.enqueue(tx.connection("app"), _out("orders", 1))
+            holding.set()
+            release.wait(30)
+        done.append("first")
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert holding.wait(30)
+    started = time.monotonic()
+    with tm.transaction(timeout=5) as tx:
+        store.enqueue(tx.connection("app"), _out("orders", 2))
+    waited = time.monotonic() - started
+    release.set()
+    thread.join(30)
+    assert done == ["first"] and waited < 4
+    with store.local() as s:
+        assert store.backlog(s, "orders") == 2
+    tm.close()
