@@ -15,5 +15,7 @@
 from qtp import errors
 from qtp.coordinator import Outcome, Transaction, TransactionManager, current, install, transaction
 from qtp.errors import QtpError
+from qtp.wsrm.runtime import Message, Node
 
-__all__ = ["Outcome", "QtpError", "Transaction", "TransactionManager", "current", "errors", "install", "transaction"]
+__all__ = ["Message", "Node", "Outcome", "QtpError", "Transaction", "TransactionManager", "current", "errors",
+           "install", "transaction"]

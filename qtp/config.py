@@ -17,6 +17,23 @@
     interval = 60                # seconds between background recovery passes (0: only at start)
     warn_prepared_age = 300      # `qtp status` warns about branches prepared longer ago than this
 
+Messaging (optional; see ``qtp.wsrm.runtime`` and docs/messaging.md)::
+
+    [node]
+    endpoint = "http://127.0.0.1:8001/rm"   # where peers reach this node; `qtp serve` listens there
+    store = "app"                # resource holding the inbound (RM Destination) store
+    mode = "xa"                  # xa | persistent | memory, for the inbound side
+
+    [channels.orders]
+    peer = "http://127.0.0.1:8002/rm"
+    store = "app"                # resource holding this channel's outbound store (default: [node] store)
+    mode = "xa"
+    wsrm = "1.1"                 # 1.1 | 1.0
+    soap = "1.2"                 # 1.2 | 1.1
+    reply = true                 # request-reply: offer a sequence for replies (needs [node] endpoint)
+
+    [limits]                     # see ``qtp.wsrm.runtime.Limits`` for every limit and its default
+
 Relative ``log_dir`` paths are taken from the folder holding the file.
 """
 
@@ -38,6 +55,7 @@ class Config:
     path: Path | None = None
     recovery_interval: float | None = 60.0
     warn_prepared_age: float = 300.0
+    messaging: dict = field(default_factory=dict)  # [node] endpoint/store/mode, [channels.*], [limits]
 
 
 def load_config(path: str | Path) -> Config:
@@ -61,7 +79,7 @@ def load_config(path: str | Path) -> Config:
         if not isinstance(table, dict) or not isinstance(table.get("url"), str):
             raise ConfigurationError(f"{path}: [resources.{name}] needs a url = \"...\" entry")
         resources[name] = table["url"]
-    unknown = set(data) - {"node", "resources", "channels", "recovery"}
+    unknown = set(data) - {"node", "resources", "channels", "recovery", "limits"}
     if unknown:
         raise ConfigurationError(f"{path}: unknown table(s) {sorted(unknown)}; expected [node] and [resources.NAME]")
     try:
@@ -69,8 +87,10 @@ def load_config(path: str | Path) -> Config:
     except (TypeError, ValueError):
         raise ConfigurationError(f"{path}: [node] timeout must be a number of seconds") from None
     interval, warn_age = _recovery_settings(path, data.get("recovery", {}))
+    messaging = {"node": {k: v for k, v in node.items() if k in ("endpoint", "listen", "store", "mode")},
+                 "channels": data.get("channels") or {}, "limits": data.get("limits") or {}}
     return Config(node_id=str(node["id"]), log_dir=log_dir, timeout=timeout, resources=resources, path=path,
-                  recovery_interval=interval, warn_prepared_age=warn_age)
+                  recovery_interval=interval, warn_prepared_age=warn_age, messaging=messaging)
 
 
 def _recovery_settings(path: Path, table: object) -> tuple[float | None, float]:

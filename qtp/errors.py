@@ -20,7 +20,9 @@
     │   └── LogCorruptError               a damaged record that is not a torn tail (names file and offset)
     ├── RecoveryError                     in-doubt resolution could not finish
     │   └── HeuristicError                a branch was resolved by hand against the logged decision
-    └── WsrmFault                         a WS-ReliableMessaging fault; .code is its wire fault code
+    ├── WsrmFault                         a WS-ReliableMessaging fault; .code is its wire fault code
+    └── MessagingError                    the queue runtime (qtp.wsrm.runtime)
+        └── BacklogFullError              tx.send on a channel whose unacknowledged backlog is full (retryable)
 
 Lower-layer exceptions are translated where qtp meets the driver, with ``raise ... from exc``.
 """
@@ -118,3 +120,13 @@ class WsrmFault(QtpError):
         self.code = code
         self.reason = reason
         self.detail = detail
+
+
+class MessagingError(QtpError):
+    """The queue runtime could not do what was asked (``tx.send``, a handler's delivery, the endpoint)."""
+
+
+class BacklogFullError(MessagingError):
+    """``tx.send`` on a channel whose backlog is at ``[limits] max_backlog``: the peer is slow or down."""
+
+    retryable = True

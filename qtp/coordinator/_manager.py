@@ -68,6 +68,7 @@ class TransactionManager:
         self._reaper: threading.Thread | None = None
         self._parallel_limit = os.cpu_count() or 1
         self._in_flight_lock = threading.Lock()
+        self.node: Any = None  # the qtp.Node (messaging) attached to this manager, if any
 
     @classmethod
     def from_config(cls, path: str | Path) -> "TransactionManager":
@@ -80,6 +81,10 @@ class TransactionManager:
         for name, url in config.resources.items():
             manager.add_resource(name, url)
         manager.start_recovery()
+        if config.messaging["channels"] or config.messaging["node"].get("endpoint"):
+            from qtp.wsrm.runtime import Node, node_settings
+
+            Node(manager, node_settings(config.messaging, set(config.resources))).start()
         return manager
 
     def __repr__(self) -> str:
@@ -282,6 +287,9 @@ class TransactionManager:
         """Refuse new transactions, let running ones finish (at most ``drain_s``), stop background work,
         flush and unlock the log, release pooled connections."""
         if self._closed:
+            return
+        if self.node is not None and self.node.started:
+            self.node.close()  # stops the messaging workers first; it calls close() again
             return
         self._closed = True
         if self._recovery is not None:

@@ -87,6 +87,7 @@ class Transaction:
         self.interrupted = False  # the timeout reaper cancelled this transaction's statements
         self._branches: dict[int, tuple[Resource, Xid]] = {}  # id(resource) -> branch
         self._sessions: dict[str, Session] = {}
+        self._on_commit: list[Callable[[], None]] = []
 
     def __repr__(self) -> str:
         return f"<Transaction {self.gtrid.decode()} {self.state.value}>"
@@ -165,6 +166,34 @@ class Transaction:
             self._sessions[name] = session
         return session
 
+    def on_commit(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on the committing thread once the transaction is committed (also with branches
+        pending); never after a rollback or an unknown outcome. Its errors are logged, not raised."""
+        self._check_active("register an on-commit callback")
+        self._on_commit.append(callback)
+
+    def send(self, channel: str, payload: bytes, action: str, message_id: str | None = None) -> str:
+        """Enqueue a message on ``channel``, atomically with this transaction; returns its MessageID.
+
+        The message exists if and only if this transaction commits; the node's sender then delivers it
+        reliably (WS-ReliableMessaging). Needs a node with channels (``[channels.NAME]`` in qtp.toml).
+        """
+        node = getattr(self.manager, "node", None)
+        if node is None:
+            raise ConfigurationError(
+                f"tx.send({channel!r}, ...): node {self.manager.node_id!r} has no channels; add a "
+                f"[channels.{channel}] table (peer, store) to its qtp.toml, or build a qtp.Node"
+            )
+        return node.send(self, channel, payload, action=action, message_id=message_id)
+
+    def _run_on_commit(self) -> None:
+        for callback in self._on_commit:
+            try:
+                callback()
+            except Exception:  # the transaction is committed; its callbacks cannot change that
+                log.exception("on-commit callback of transaction %s failed", self.xid)
+        self._on_commit.clear()
+
     def interrupt(self) -> None:
         """Called by the timeout reaper (another thread): cancel whatever the branches are running."""
         self.interrupted = True
@@ -194,6 +223,8 @@ class Transaction:
         except BaseException as exc:  # anything unforeseen (a failpoint, an interrupt): settle, then re-raise
             self._settle_after(exc)
             raise
+        if self._on_commit:
+            self._run_on_commit()
 
     def _two_phase_commit(self) -> None:
         branches = self._drop_idle(list(self._branches.values()))

@@ -6,7 +6,7 @@
 """
 
 from qtp.wsrm.codec._decode import DEFAULT_MAX_BYTES, DEFAULT_MAX_DEPTH, decode, parse_duration
-from qtp.wsrm.codec._encode import default_action, encode, format_duration
+from qtp.wsrm.codec._encode import check_payload, default_action, encode, format_duration
 from qtp.wsrm.codec._envelope import Addressing, EncodingError, Envelope, InvalidMessage, SoapFault
 from qtp.wsrm.codec._names import COMBINATIONS, RM_NS, SOAP_NS, WSA_NS, SoapVersion, WsaVersion, action, anonymous
 from qtp.wsrm.codec._schemas import SCHEMA_FILES, Validator
@@ -14,6 +14,6 @@ from qtp.wsrm.codec._schemas import SCHEMA_FILES, Validator
 __all__ = [
     "COMBINATIONS", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_DEPTH", "RM_NS", "SCHEMA_FILES", "SOAP_NS", "WSA_NS",
     "Addressing", "EncodingError", "Envelope", "InvalidMessage", "SoapFault", "SoapVersion", "Validator",
-    "WsaVersion", "action", "anonymous", "decode", "default_action", "encode", "format_duration",
+    "WsaVersion", "action", "anonymous", "check_payload", "decode", "default_action", "encode", "format_duration",
     "parse_duration",
 ]

@@ -134,7 +134,7 @@ def encode(envelope: Envelope) -> bytes:
     elif isinstance(content, SequenceFault):
         _fault(w, content, body_at)
     elif isinstance(content, SoapFault):
-        raise EncodingError("qtp emits WS-RM faults only; a foreign SoapFault is for reading")
+        _soap_fault(w, content)
     else:
         if envelope.payload is not None:
             raise EncodingError("an envelope has either a WS-RM body or an application payload")
@@ -220,6 +220,13 @@ def _payload(payload: bytes) -> str:
     if type(payload) is bytes and len(payload) <= _CHECKED_PAYLOADS_MAX_BYTES:
         return _checked_payload(payload)
     return _check_payload(payload)
+
+
+def check_payload(payload: bytes) -> None:
+    """Raise EncodingError unless ``payload`` is one well-formed UTF-8 XML element (what a Body may carry)."""
+    if not isinstance(payload, bytes):
+        raise EncodingError(f"the application payload must be bytes, got {type(payload).__name__}")
+    _payload(payload)
 
 
 @functools.lru_cache(maxsize=256)
@@ -332,3 +339,17 @@ def _fault(w: _Writer, fault: SequenceFault, header_end: int) -> None:
         return
     w.out.insert(header_end, f"<wsrm:SequenceFault><wsrm:FaultCode>{code}</wsrm:FaultCode></wsrm:SequenceFault>")
     w.out.append(f"<S:Fault><faultcode>S:Client</faultcode><faultstring>{reason}</faultstring>{detail}</S:Fault>")
+
+
+def _soap_fault(w: _Writer, fault: SoapFault) -> None:
+    """A fault that is not WS-RM's (an application's, or a busy server's): the code's local name decides
+    between Sender (SOAP 1.1: Client) and Receiver (SOAP 1.1: Server); subcodes are not written."""
+    sender = fault.code.rsplit("}", 1)[-1] in ("Sender", "Client")
+    reason = _text(fault.reason)
+    if w.env.soap is SoapVersion.SOAP12:
+        code = "S:Sender" if sender else "S:Receiver"
+        w.out.append(f'<S:Fault><S:Code><S:Value>{code}</S:Value></S:Code><S:Reason><S:Text xml:lang="en">'
+                     f"{reason}</S:Text></S:Reason></S:Fault>")
+        return
+    code = "S:Client" if sender else "S:Server"
+    w.out.append(f"<S:Fault><faultcode>{code}</faultcode><faultstring>{reason}</faultstring></S:Fault>")

@@ -57,9 +57,9 @@ class SoapFault:
 class Envelope:
     """One SOAP message: versions, addressing, WS-RM headers, and a body.
 
-    The body is a WS-RM protocol message, a ``SequenceFault`` (sent as a SOAP fault), a foreign
-    ``SoapFault`` (decode only), or None, in which case ``payload`` (one serialised XML element) is the
-    application's body, if any. Acknowledgements and AckRequested may ride on any message.
+    The body is a WS-RM protocol message, a ``SequenceFault`` (sent as a SOAP fault), a ``SoapFault`` (an
+    application's or a busy server's fault), or None, in which case ``payload`` (one serialised XML element)
+    is the application's body, if any. Acknowledgements and AckRequested may ride on any message.
     """
 
     soap: SoapVersion

@@ -102,6 +102,7 @@ class DestinationInfo:
     soap: str = "1.2"
     wsa: str = "2005/08"
     acks_to: str | None = None
+    create_message_id: str | None = None  # the CreateSequence's MessageID: a retransmission gets this sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,8 +193,8 @@ class Store(abc.ABC):
         """Store an accepted message; False (and nothing changes) when it is already stored."""
 
     @abc.abstractmethod
-    def incoming(self, s: Any, identifier: str | None = None) -> list[Incoming]:
-        """Stored messages not yet applied (of one sequence, or all), by identifier then number."""
+    def incoming(self, s: Any, identifier: str | None = None, number: int | None = None) -> list[Incoming]:
+        """Stored messages not yet applied (of one sequence, or all; one number), by identifier then number."""
 
     @abc.abstractmethod
     def consume(self, s: Any, identifier: str, number: int) -> bool:

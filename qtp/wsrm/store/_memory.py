@@ -115,7 +115,10 @@ class MemoryStore(Store):
         s.incoming[key] = message
         return True
 
-    def incoming(self, s: _Data, identifier: str | None = None) -> list[Incoming]:
+    def incoming(self, s: _Data, identifier: str | None = None, number: int | None = None) -> list[Incoming]:
+        if identifier is not None and number is not None:
+            found = s.incoming.get((identifier, number))
+            return [] if found is None else [found]
         return [m for key, m in sorted(s.incoming.items()) if identifier is None or key[0] == identifier]
 
     def consume(self, s: _Data, identifier: str, number: int) -> bool:

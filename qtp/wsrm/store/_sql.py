@@ -220,10 +220,12 @@ class SqlStore(Store):
         s.execute(incoming.insert(), {f: getattr(message, f) for f in _INCOMING_FIELDS})
         return True
 
-    def incoming(self, s: Connection, identifier: str | None = None) -> list[Incoming]:
+    def incoming(self, s: Connection, identifier: str | None = None, number: int | None = None) -> list[Incoming]:
         query = incoming.select().order_by(incoming.c.identifier, incoming.c.number)
         if identifier is not None:
             query = query.where(incoming.c.identifier == identifier)
+        if number is not None:
+            query = query.where(incoming.c.number == number)
         return [_incoming(row) for row in s.execute(query)]
 
     def consume(self, s: Connection, identifier: str, number: int) -> bool:

@@ -1,0 +1,14 @@
+"""The queue runtime: ``tx.send()``, the sender, the WSGI endpoint, the invoker; see ``Node``.
+
+The protocol machines (``qtp.wsrm.protocol``) decide; this package carries out their actions with the
+stores (``qtp.wsrm.store``), HTTP (``requests`` out, WSGI in) and the transaction manager.
+"""
+
+from qtp.wsrm.runtime._endpoint import Endpoint
+from qtp.wsrm.runtime._invoker import Message
+from qtp.wsrm.runtime._node import Node
+from qtp.wsrm.runtime._settings import MODES, ChannelSettings, Limits, NodeSettings, node_settings
+from qtp.wsrm.runtime._transport import Transport, TransportError
+
+__all__ = ["MODES", "ChannelSettings", "Endpoint", "Limits", "Message", "Node", "NodeSettings", "Transport",
+           "TransportError", "node_settings"]

@@ -1,0 +1,330 @@
+"""The invoker: applies stored messages with the application's handlers, each in a global transaction.
+
+Theory (the dissertation's InvokerBuffer, chapter 3). In ``xa`` mode the delivery transaction does three
+things on one global transaction: it deletes the stored message (the *dequeue*), runs the handler (the
+application's own updates, on any resources), and saves the sequence's invoker record with the number
+marked delivered; for request-reply it also enqueues the reply on the sequence the peer offered. Either
+all of them commit or none: a handler that raises, a branch that votes no, or a crash before the decision
+leaves the message stored, and it is delivered again. The dequeue runs first, so two deliveries of one
+message can never both commit: the second finds nothing to delete (or waits on the first's row lock, and
+then finds nothing) and is recognised as already applied.
+
+In ``persistent`` and ``memory`` modes the handler's transaction does only the application's work, and
+the dequeue follows in a local transaction of the store after it committed: a crash between the two
+applies the message again after restart (persistent) or loses it (memory). That is the point of those
+modes; see docs/messaging.md.
+
+A handler that fails is retried after a backoff that doubles per attempt; after ``max_attempts`` the
+message becomes a dead letter (with the error text) in a local transaction that also marks it delivered,
+so the sequence moves on; for request-reply a SOAP fault goes back to the client reliably.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+import traceback
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable
+
+from qtp.coordinator.failpoints import failpoint
+from qtp.errors import OutcomeUnknownError
+from qtp.wsrm.codec import WsaVersion, check_payload
+from qtp.wsrm.codec._names import WSA_FAULT_ACTION
+from qtp.wsrm.protocol import (
+    AckRanges,
+    Deliver,
+    DeliveryAborted,
+    DeliveryCommitted,
+    DeliveryFinished,
+    InvokerBuffer,
+    InvokerRecord,
+    MessageStored,
+    SequenceCompleted,
+)
+from qtp.wsrm.protocol import _ranges as ranges
+from qtp.wsrm.runtime._receiver import new_message_id
+from qtp.wsrm.store import Buffered, Incoming, Outgoing
+
+if TYPE_CHECKING:
+    from qtp.wsrm.runtime._node import Node
+
+log = logging.getLogger("qtp.wsrm.invoker")
+
+Message = Incoming  # what a handler receives
+
+
+class _Schedule:
+    """Work items with a due time; ``get`` blocks until one is due (or ``timeout``)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, tuple[str, int]]] = []
+        self._counter = 0
+        self._cond = threading.Condition()
+
+    def put(self, item: tuple[str, int], at: float = 0.0) -> None:
+        with self._cond:
+            self._counter += 1
+            heapq.heappush(self._heap, (at, self._counter, item))
+            self._cond.notify()
+
+    def get(self, timeout: float) -> tuple[str, int] | None:
+        deadline = time.time() + timeout
+        with self._cond:
+            while True:
+                now = time.time()
+                if self._heap and self._heap[0][0] <= now:
+                    return heapq.heappop(self._heap)[2]
+                wait = deadline - now
+                if self._heap:
+                    wait = min(wait, self._heap[0][0] - now)
+                if wait <= 0:
+                    return None
+                self._cond.wait(wait)
+
+    def wake_all(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class _AlreadyApplied(Exception):
+    """The message was no longer stored: an earlier delivery committed it."""
+
+
+class Invoker:
+    def __init__(self, node: "Node"):
+        self.node = node
+        self.store = node.inbound_store
+        self._machines: dict[str, InvokerBuffer] = {}
+        self._mutex = threading.RLock()
+        self._schedule = _Schedule()
+        self._parked: set[tuple[str, int]] = set()  # waiting for a handler to be registered
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+
+    # ------------------------------------------------------------------ state
+
+    def load(self) -> None:
+        """Rebuild the buffers: delivered numbers from the invoker records, stored ones from the messages."""
+        with self.store.local() as s:
+            records = self.store.invokers(s)
+            stored = self.store.incoming(s)
+        with self._mutex:
+            for record in records:
+                self._machines[record.identifier] = InvokerBuffer(replace(record, stored=(), in_flight=(),
+                                                                          final=None))
+        for message in stored:
+            self.stored(message.identifier, message.number)
+        for identifier in list(self._machines):
+            record = self.node.receiver.record(identifier)
+            if record is not None and record.end_reason is not None:
+                self.completed(identifier, record.received)
+
+    def ensure(self, identifier: str) -> InvokerBuffer:
+        with self._mutex:
+            machine = self._machines.get(identifier)
+            if machine is None:
+                machine = self._machines[identifier] = InvokerBuffer(InvokerRecord(identifier, in_order=True))
+            return machine
+
+    def stored(self, identifier: str, number: int) -> None:
+        with self._mutex:
+            actions = self.ensure(identifier).handle(MessageStored(number))
+        self._dispatch(actions)
+
+    def completed(self, identifier: str, received: AckRanges) -> None:
+        with self._mutex:
+            machine = self.ensure(identifier)
+            if machine.record.final is not None:
+                return
+            actions = machine.handle(SequenceCompleted(received))
+        self._dispatch(actions)
+
+    def backlog(self) -> int:
+        with self._mutex:
+            return sum(ranges.count(ranges.difference(m.record.stored, m.record.delivered))
+                       for m in self._machines.values())
+
+    def _dispatch(self, actions: list[Any]) -> None:
+        for a in actions:
+            if isinstance(a, Deliver):
+                self._schedule.put((a.identifier, a.number))
+            elif isinstance(a, DeliveryFinished):
+                with self._mutex:
+                    self._machines.pop(a.identifier, None)
+                self.node.receiver.finished(a.identifier)
+
+    def handler_registered(self) -> None:
+        """A handler was registered: retry the messages that were waiting for one."""
+        parked, self._parked = self._parked, set()
+        for item in parked:
+            self._schedule.put(item)
+
+    # ------------------------------------------------------------------ workers
+
+    def start(self) -> None:
+        for i in range(self.node.limits.invoker_threads):
+            thread = threading.Thread(target=self._work, name=f"qtp-invoker-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._schedule.wake_all()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    def _work(self) -> None:
+        while not self._stopping:
+            item = self._schedule.get(timeout=0.5)
+            if item is None:
+                continue
+            try:
+                self._deliver(*item)
+            except Exception:  # the worker survives; the message stays stored and in flight is released
+                log.exception("delivering %s #%d failed unexpectedly", *item)
+                self._abort(item[0], item[1], at=time.time() + 1.0)
+
+    def _deliver(self, identifier: str, number: int) -> None:
+        with self.store.local() as s:
+            found = self.store.incoming(s, identifier, number)
+        if not found:
+            self._committed(identifier, number)  # applied before (a persistent-mode replay, a lost ack)
+            return
+        message = found[0]
+        now = time.time()
+        if message.not_before > now:
+            self._schedule.put((identifier, number), at=message.not_before)
+            return
+        if message.payload is None and message.action.endswith("/LastMessage"):
+            self._finish_without_handler(message)
+            return
+        info = self.node.receiver.info(identifier)
+        handler = self.node.handler_for(message, info)
+        if handler is None:
+            self._parked.add((identifier, number))
+            log.warning("no handler for action %r (sequence %s #%d); it waits until one is registered",
+                        message.action, identifier, number)
+            return
+        try:
+            self._apply(handler, message)
+        except _AlreadyApplied:
+            self._committed(identifier, number)
+        except OutcomeUnknownError as exc:
+            log.error("delivery of %s #%d: %s; it is tried again after recovery", identifier, number, exc)
+            self._abort(identifier, number, at=time.time() + self.node.limits.retry_backoff_max)
+        except Exception as exc:
+            self._failed(message, exc)
+
+    def _delivered_record(self, identifier: str, number: int) -> InvokerRecord:
+        with self._mutex:
+            probe = InvokerBuffer(self.ensure(identifier).record)
+        probe.handle(DeliveryCommitted(number))
+        return replace(probe.record, in_flight=(), stored=(), final=None)
+
+    def _apply(self, handler: Callable[..., Any], message: Incoming) -> None:
+        node = self.node
+        record = self._delivered_record(message.identifier, message.number)
+        with node.manager.transaction() as tx:
+            if node.inbound_mode == "xa":
+                session: Any = tx.connection(node.settings.store)
+                if not self.store.consume(session, message.identifier, message.number):
+                    raise _AlreadyApplied()
+            else:
+                session = Buffered(self.store)
+                session.record("consume", message.identifier, message.number)
+                tx.on_commit(session.replay)
+            result = handler(tx, message)
+            reply = self._reply(message, result)
+            self._write(session, "save_invoker", record)
+            if reply is not None:
+                self._write(session, "enqueue", reply)
+                tx.on_commit(node.sender.wake.set)
+        failpoint("after_apply_before_ack")
+        node.metrics.delivered.inc()
+        node.metrics.latency.observe(max(0.0, time.time() - (message.enqueued_at or message.received_at)))
+        self._committed(message.identifier, message.number)
+
+    def _write(self, session: Any, method: str, *args: Any) -> None:
+        if isinstance(session, Buffered):
+            session.record(method, *args)
+        else:
+            getattr(self.store, method)(session, *args)
+
+    def _reply(self, message: Incoming, result: Any, fault: str | None = None) -> Outgoing | None:
+        """The reply (or fault) to enqueue, when the peer offered a sequence for replies."""
+        if result is None and fault is None:
+            return None
+        if isinstance(result, str):
+            result = result.encode("utf-8")
+        if result is not None:
+            check_payload(result)  # a handler returning bad XML fails here, not forever at the sender
+        record = self.node.receiver.record(message.identifier)
+        if record is None or record.accepted_offer is None:
+            log.warning("sequence %s offered no sequence for replies: the reply to %s is dropped",
+                        message.identifier, message.message_id)
+            return None
+        info = self.node.receiver.info(message.identifier)
+        wsa = WsaVersion(info.wsa) if info is not None else WsaVersion.WSA200508
+        now = time.time()
+        return Outgoing(route=f"offer:{record.accepted_offer}", message_id=new_message_id(now),
+                        action=WSA_FAULT_ACTION[wsa] if fault is not None else message.action + "Response",
+                        payload=result, enqueued_at=now, relates_to=message.message_id, fault=fault)
+
+    def _committed(self, identifier: str, number: int) -> None:
+        with self._mutex:
+            machine = self.ensure(identifier)
+            if number not in machine.record.in_flight:
+                return
+            actions = machine.handle(DeliveryCommitted(number))
+        self._dispatch(actions)
+
+    def _abort(self, identifier: str, number: int, at: float) -> None:
+        with self._mutex:
+            machine = self.ensure(identifier)
+            if number not in machine.record.in_flight:
+                return
+            actions = machine.handle(DeliveryAborted(number))
+        for a in actions:
+            if isinstance(a, Deliver):
+                self._schedule.put((a.identifier, a.number), at=at if a.number == number else 0.0)
+
+    def _failed(self, message: Incoming, exc: BaseException) -> None:
+        limits = self.node.limits
+        error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        attempts = message.attempts + 1
+        now = time.time()
+        if attempts >= limits.max_attempts:
+            self._dead_letter(message, error, now)
+            return
+        delay = min(limits.retry_backoff * 2 ** (attempts - 1), limits.retry_backoff_max)
+        log.warning("handler failed for %s #%d (attempt %d of %d, next in %.1f s): %s", message.identifier,
+                    message.number, attempts, limits.max_attempts, delay, error)
+        with self.store.local() as s:
+            self.store.note_failure(s, message.identifier, message.number, error, now + delay)
+        self._abort(message.identifier, message.number, at=now + delay)
+
+    def _dead_letter(self, message: Incoming, error: str, now: float) -> None:
+        record = self._delivered_record(message.identifier, message.number)
+        fault = None if message.fault is not None else self._reply(message, None, fault=error[:1000])
+        with self.store.local() as s:
+            self.store.dead_letter(s, message, error, now)
+            self.store.save_invoker(s, record)
+            if fault is not None:
+                self.store.enqueue(s, fault)
+        log.error("message %s (%s #%d) is a dead letter after %d attempts: %s", message.message_id,
+                  message.identifier, message.number, self.node.limits.max_attempts, error)
+        self.node.metrics.dead_lettered.inc()
+        if fault is not None:
+            self.node.sender.wake.set()
+        self._committed(message.identifier, message.number)
+
+    def _finish_without_handler(self, message: Incoming) -> None:
+        """WS-RM 1.0's empty LastMessage: consumed, never shown to a handler."""
+        record = self._delivered_record(message.identifier, message.number)
+        with self.store.local() as s:
+            self.store.consume(s, message.identifier, message.number)
+            self.store.save_invoker(s, record)
+        self._committed(message.identifier, message.number)

@@ -1,0 +1,356 @@
+"""The receiver: the node's RM Destinations, fed by the endpoint with decoded envelopes.
+
+Theory. A message is acknowledged only after it is stored: the receive path applies ``MessageReceived``
+to a copy of the sequence's machine, stores the payload and the copy's record in one local transaction of
+the inbound store, and only after that commit adopts the copy and answers with the acknowledgement. A crash
+before the commit loses nothing the source was told it may forget; a crash after it leaves a stored
+message whose acknowledgement was lost, and the source's retransmission is then recognised as a duplicate
+(the number is in ``received``) and acknowledged again without storing anything.
+
+Concurrent requests for one sequence are serialised by a per-sequence lock (the node is one process, so
+it is the only writer of its destination records); different sequences proceed in parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from qtp.coordinator.failpoints import failpoint
+from qtp.wsrm.codec import Addressing, Envelope, SoapFault, WsaVersion, anonymous, default_action
+from qtp.wsrm.codec._names import WSA_FAULT_ACTION
+from qtp.wsrm.protocol import (
+    AcceptMessage,
+    AckRequestedReceived,
+    CloseReceived,
+    CloseSequence,
+    CloseSequenceResponse,
+    CreateSequence,
+    CreateSequenceReceived,
+    CreateSequenceResponse,
+    DestinationRecord,
+    DestinationSequence,
+    DestinationState,
+    FaultCode,
+    FaultReceived,
+    MessageReceived,
+    ProtocolError,
+    RMVersion,
+    SendAcknowledgement,
+    SendCloseSequenceResponse,
+    SendCreateSequenceResponse,
+    SendFault,
+    SendTerminateSequenceResponse,
+    SequenceAcknowledgement,
+    SequenceEnded,
+    SequenceFault,
+    TerminateReceived,
+    TerminateSequence,
+    TerminateSequenceResponse,
+    TimerFired,
+    unknown_sequence,
+)
+from qtp.wsrm.store import DestinationInfo, Incoming, SourceInfo
+
+if TYPE_CHECKING:
+    from qtp.wsrm.runtime._node import Node
+    from qtp.wsrm.runtime._settings import ChannelSettings
+
+log = logging.getLogger("qtp.wsrm.receiver")
+
+D = DestinationState
+_ENQUEUED_PREFIX = "urn:qtp:m:"
+
+
+def new_message_id(now: float) -> str:
+    """A MessageID that also tells a qtp peer when the message was enqueued (for the latency histogram)."""
+    return f"{_ENQUEUED_PREFIX}{int(now * 1_000_000)}:{uuid.uuid4().hex}"
+
+
+def enqueued_at(message_id: str) -> float | None:
+    if not message_id.startswith(_ENQUEUED_PREFIX):
+        return None
+    stamp = message_id[len(_ENQUEUED_PREFIX):].split(":", 1)[0]
+    return int(stamp) / 1_000_000 if stamp.isdigit() else None
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the endpoint sends back: an envelope (None: nothing, 202) and the HTTP status."""
+
+    envelope: Envelope | None
+    status: int = 200
+
+
+class Receiver:
+    def __init__(self, node: "Node"):
+        self.node = node
+        self.store = node.inbound_store
+        self._machines: dict[str, DestinationSequence] = {}
+        self._infos: dict[str, DestinationInfo] = {}
+        self._created_by: dict[str, str] = {}  # CreateSequence MessageID -> identifier
+        self._locks: dict[str, threading.Lock] = {}
+        self._mutex = threading.Lock()
+
+    def load(self) -> None:
+        with self.store.local() as s:
+            saved = self.store.destinations(s)
+        for info, record in saved:
+            self._adopt(info, record)
+
+    def _adopt(self, info: DestinationInfo, record: DestinationRecord) -> None:
+        with self._mutex:
+            self._machines[record.identifier] = DestinationSequence(record)
+            self._infos[record.identifier] = info
+            self._locks.setdefault(record.identifier, threading.Lock())
+            if info.create_message_id:
+                self._created_by[info.create_message_id] = record.identifier
+
+    def open_sequences(self) -> int:
+        with self._mutex:
+            return sum(1 for m in self._machines.values() if m.state in (D.ACTIVE, D.CLOSED))
+
+    def info(self, identifier: str) -> DestinationInfo | None:
+        return self._infos.get(identifier)
+
+    def record(self, identifier: str) -> DestinationRecord | None:
+        machine = self._machines.get(identifier)
+        return None if machine is None else machine.record
+
+    # ------------------------------------------------------------------ offered sequences (our replies)
+
+    def expect_offered(self, identifier: str, channel: str, settings: "ChannelSettings") -> None:
+        """Our RM Source is about to offer ``identifier``: be its destination before the peer can use it."""
+        record = DestinationRecord(identifier, settings.wsrm, state=D.ACTIVE, last_activity=time.time(),
+                                   inactivity_timeout=self.node.limits.inactivity_timeout)
+        info = DestinationInfo(channel=channel, soap=settings.soap.value, wsa=settings.wsa.value)
+        with self.store.local() as s:
+            self.store.save_destination(s, info, record)
+        self._adopt(info, record)
+
+    def offer_accepted(self, identifier: str) -> None:
+        log.info("the peer accepted offered sequence %s for replies", identifier)
+
+    # ------------------------------------------------------------------ requests
+
+    def handle(self, env: Envelope) -> Answer:
+        now = time.time()
+        if env.acks:
+            self.node.sender.on_acks(env.acks)
+        body = env.body
+        if isinstance(body, CreateSequence):
+            return self._create(env, body, now)
+        if env.sequence is not None:
+            return self._message(env, now)
+        if isinstance(body, CloseSequence):
+            return self._event(env, body.identifier, CloseReceived(now, body.last_msg_number))
+        if isinstance(body, TerminateSequence):
+            return self._event(env, body.identifier, TerminateReceived(now, body.last_msg_number))
+        if isinstance(body, SequenceFault):
+            return self._fault_received(env, body, now)
+        if isinstance(body, SoapFault):
+            log.info("a peer sent a fault: %s", body.reason)
+            return Answer(None, 202)
+        if env.ack_requests:
+            acks = [self._event(env, r.identifier, AckRequestedReceived(now)) for r in env.ack_requests]
+            return acks[0]
+        if env.acks or isinstance(body, (CreateSequenceResponse, CloseSequenceResponse, TerminateSequenceResponse)):
+            if body is not None:
+                self.node.sender.on_answer(env)
+            return Answer(None, 202)
+        return self.fault(env, SoapFault("Sender", None, "the message is neither WS-RM nor part of a sequence"), 400)
+
+    def _create(self, env: Envelope, body: CreateSequence, now: float) -> Answer:
+        message_id = env.addressing.message_id
+        known = self._created_by.get(message_id) if message_id else None
+        if known is not None:  # a retransmitted CreateSequence: the same sequence again
+            return self._event(env, known, CreateSequenceReceived(now))
+        if self.open_sequences() >= self.node.limits.max_open_sequences:
+            fault = SequenceFault(FaultCode.CREATE_SEQUENCE_REFUSED, None,
+                                  f"this node has {self.node.limits.max_open_sequences} sequences open already")
+            return self.fault(env, fault)
+        identifier = f"urn:uuid:{uuid.uuid4()}"
+        offer = body.offer
+        reply_to = _address(env.addressing.reply_to)
+        offer_peer = (offer.endpoint if offer is not None and offer.endpoint else None) or reply_to
+        accepted = offer.identifier if offer is not None and offer_peer is not None else None
+        record = DestinationRecord(identifier, env.rm or RMVersion.WSRM11,
+                                   inactivity_timeout=self.node.limits.inactivity_timeout)
+        machine = DestinationSequence(record)
+        actions = machine.handle(CreateSequenceReceived(now, expires=None, accepted_offer=accepted))
+        info = DestinationInfo(reply_to=offer_peer, soap=env.soap.value, wsa=(env.wsa or WsaVersion.WSA200508).value,
+                               acks_to=_address(body.acks_to), create_message_id=message_id)
+        offered = None
+        with self.store.local() as s:
+            self.store.save_destination(s, info, machine.record)
+            if accepted is not None:
+                offered = self.node.sender.add_offer_route(s, self.store, accepted, offer_peer, machine.record.version,
+                                                           info.soap, info.wsa)
+        self._adopt(info, machine.record)
+        if offered is not None:
+            self.node.sender.adopt_offer(offered, SourceInfo(f"offer:{accepted}", offer_peer, info.soap, info.wsa))
+        self.node.invoker.ensure(identifier)
+        return self._answer(env, identifier, actions)
+
+    def _message(self, env: Envelope, now: float) -> Answer:
+        seq = env.sequence
+        assert seq is not None
+        lock = self._locks.get(seq.identifier)
+        if lock is None:
+            return self._answer(env, seq.identifier, [unknown_sequence(seq.identifier)])
+        stored = False
+        with lock:
+            machine = self._machines[seq.identifier]
+            if not _ranges_contain(machine.record.received, seq.number) and self._busy():
+                fault = SoapFault("Receiver", None, "the node's backlog of unapplied messages is full; retry later")
+                return self.fault(env, fault, 503)
+            probe = DestinationSequence(machine.record)
+            try:
+                actions = probe.handle(MessageReceived(seq.number, now, seq.last_message))
+            except ProtocolError as exc:
+                return self._protocol_error(env, seq.identifier, exc)
+            if any(isinstance(a, AcceptMessage) for a in actions):
+                message = Incoming(
+                    identifier=seq.identifier, number=seq.number,
+                    message_id=env.addressing.message_id or f"urn:uuid:{uuid.uuid4()}",
+                    action=env.addressing.action or "", payload=env.payload, received_at=now,
+                    enqueued_at=enqueued_at(env.addressing.message_id or ""), relates_to=env.addressing.relates_to,
+                    fault=env.body.reason if isinstance(env.body, SoapFault) else None,
+                )
+                with self.store.local() as s:
+                    stored = self.store.store_incoming(s, message)
+                    self.store.save_destination(s, self._infos[seq.identifier], probe.record)
+                failpoint("after_store_before_ack")
+            self._machines[seq.identifier] = probe
+        if stored:
+            self.node.metrics.received.inc()
+            self.node.invoker.stored(seq.identifier, seq.number)
+        answer = self._answer(env, seq.identifier, actions)
+        if env.ack_requests and answer.envelope is None:
+            return self._event(env, seq.identifier, AckRequestedReceived(now))
+        return answer
+
+    def _busy(self) -> bool:
+        return self.node.invoker.backlog() >= self.node.limits.max_invoker_backlog
+
+    def _event(self, env: Envelope, identifier: str, event: Any) -> Answer:
+        lock = self._locks.get(identifier)
+        if lock is None:
+            return self._answer(env, identifier, [unknown_sequence(identifier)])
+        with lock:
+            machine = self._machines[identifier]
+            probe = DestinationSequence(machine.record)
+            try:
+                actions = probe.handle(event)
+            except ProtocolError as exc:
+                return self._protocol_error(env, identifier, exc)
+            if probe.record.state is not machine.record.state or probe.record.last_number != machine.record.last_number:
+                with self.store.local() as s:
+                    self.store.save_destination(s, self._infos[identifier], probe.record)
+            self._machines[identifier] = probe
+        for a in actions:
+            if isinstance(a, SequenceEnded):
+                self.node.invoker.completed(identifier, probe.record.received)
+        return self._answer(env, identifier, actions)
+
+    def _fault_received(self, env: Envelope, fault: SequenceFault, now: float) -> Answer:
+        if fault.identifier is not None and fault.identifier in self._locks:
+            self._event(env, fault.identifier, FaultReceived(fault.code, now))
+        else:
+            self.node.sender.on_answer(env)
+        return Answer(None, 202)
+
+    def _protocol_error(self, env: Envelope, identifier: str, exc: ProtocolError) -> Answer:
+        log.error("inbound sequence %s: %s", identifier, exc)
+        return self.fault(env, SequenceFault(FaultCode.SEQUENCE_TERMINATED, identifier, str(exc)))
+
+    def tick(self, now: float) -> None:
+        """Inactivity and expiry of inbound sequences."""
+        for identifier, machine in list(self._machines.items()):
+            at = machine.next_timer(machine.record)
+            if at is not None and at <= now:
+                self._event(_NO_ENVELOPE, identifier, TimerFired(now))
+
+    def finished(self, identifier: str) -> None:
+        """Every message of an ended sequence was applied: forget it."""
+        with self.store.local() as s:
+            self.store.drop_destination(s, identifier)
+        with self._mutex:
+            self._machines.pop(identifier, None)
+            info = self._infos.pop(identifier, None)
+            self._locks.pop(identifier, None)
+            if info is not None and info.create_message_id:
+                self._created_by.pop(info.create_message_id, None)
+
+    # ------------------------------------------------------------------ answers
+
+    def _answer(self, env: Envelope, identifier: str, actions: list[Any]) -> Answer:
+        if env is _NO_ENVELOPE:
+            return Answer(None, 202)
+        acks: list[SequenceAcknowledgement] = []
+        body: Any = None
+        for a in actions:
+            if isinstance(a, SendAcknowledgement):
+                acks.append(a.ack)
+            elif isinstance(a, SendFault):
+                return self.fault(env, a.fault)
+            elif isinstance(a, SendCreateSequenceResponse):
+                accept = None
+                if a.accepted_offer is not None:
+                    accept = self.node.endpoint or anonymous(env.wsa or WsaVersion.WSA200508)
+                body = CreateSequenceResponse(a.identifier, a.expires, accept_acks_to=accept)
+            elif isinstance(a, SendCloseSequenceResponse):
+                body = CloseSequenceResponse(a.identifier)
+            elif isinstance(a, SendTerminateSequenceResponse):
+                body = TerminateSequenceResponse(a.identifier)
+        info = self._infos.get(identifier)
+        if acks and info is not None and info.acks_to and not _anonymous(info.acks_to) and body is None:
+            self.node.send_acks_to(info, env, acks)  # addressable AcksTo: acknowledged there, not here
+            acks = []
+        if not acks and body is None:
+            return Answer(None, 202)
+        reply = Envelope(soap=env.soap, rm=env.rm, wsa=env.wsa, acks=tuple(acks), body=body,
+                         addressing=self._reply_addressing(env, ""))
+        act = default_action(reply)
+        return Answer(replace(reply, addressing=replace(reply.addressing, action=act)), 200)
+
+    def _reply_addressing(self, env: Envelope, act: str) -> Addressing:
+        wsa = env.wsa or WsaVersion.WSA200508
+        return Addressing(action=act, to=anonymous(wsa), message_id=f"urn:uuid:{uuid.uuid4()}",
+                          relates_to=env.addressing.message_id)
+
+    def fault(self, env: Envelope, fault: SequenceFault | SoapFault, status: int | None = None) -> Answer:
+        reply = Envelope(soap=env.soap, rm=env.rm, wsa=env.wsa or WsaVersion.WSA200508, body=fault,
+                         addressing=self._reply_addressing(env, ""))
+        if isinstance(fault, SequenceFault) and env.rm is not None:
+            act = default_action(reply)
+        else:
+            act = WSA_FAULT_ACTION[env.wsa or WsaVersion.WSA200508]
+        reply = replace(reply, addressing=replace(reply.addressing, action=act))
+        if status is None:
+            sender = isinstance(fault, SequenceFault) or fault.code.endswith("Sender")
+            status = 400 if sender and env.soap.value == "1.2" else 500
+        return Answer(reply, status)
+
+
+def _anonymous(address: str) -> bool:
+    return address.endswith("/anonymous") or address.endswith("/role/anonymous")
+
+
+def _address(address: str | None) -> str | None:
+    return None if address is None or _anonymous(address) or address.endswith("/none") else address
+
+
+def _ranges_contain(received: tuple[tuple[int, int], ...], number: int) -> bool:
+    return any(lower <= number <= upper for lower, upper in received)
+
+
+class _NoEnvelope:
+    """Stands for 'no request': timer events answer nobody."""
+
+
+_NO_ENVELOPE: Any = _NoEnvelope()

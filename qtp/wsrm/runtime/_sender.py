@@ -1,0 +1,453 @@
+"""The sender: drives the node's RM Source machines over HTTP.
+
+Theory. Messages are enqueued unnumbered, inside application transactions (``Node.send``). The sender
+alone numbers them: it takes the oldest unnumbered messages of a route, feeds one ``SendRequested`` per
+message to the route's current sequence, and saves the machine's record together with the numbers in one
+short local transaction of the store. Only then does it transmit. So a number is durable before any peer
+can see it, a crash never gives one number to two messages, and no lock is held across an application's
+two-phase commit.
+
+Every event for a sequence (an acknowledgement, a response, a timer) is applied to a *copy* of its machine;
+the copy's record is saved in a local transaction, and the live machine is replaced only after that
+commit. A crash anywhere therefore leaves the store at the last committed record, from which the machine
+is rebuilt on restart; whatever it had sent but not had acknowledged is retransmitted by its timer, and the
+destination recognises the duplicates.
+
+Routes: a channel's name (sequences created by this node, ``CreateSequence`` with an ``Offer`` when the
+channel is request-reply) or ``offer:<identifier>`` for a sequence a peer offered us for our replies
+(born ACTIVE when we accepted the offer; it cannot be re-created, so when it ends its unsent replies wait).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable
+
+from qtp.errors import QtpError
+from qtp.wsrm.codec import (
+    Addressing,
+    Envelope,
+    InvalidMessage,
+    SoapFault,
+    SoapVersion,
+    WsaVersion,
+    anonymous,
+    decode,
+    default_action,
+    encode,
+)
+from qtp.wsrm.codec._names import WSA_FAULT_ACTION, action
+from qtp.wsrm.protocol import (
+    AckReceived,
+    AckRequested,
+    CloseResponded,
+    CloseSequence,
+    CloseSequenceResponse,
+    CompleteRequested,
+    CreateRequested,
+    CreateSequence,
+    CreateSequenceResponded,
+    CreateSequenceResponse,
+    FaultReceived,
+    MessageNumbered,
+    MessagesAcknowledged,
+    MessagesLost,
+    Offer,
+    OfferAccepted,
+    ProtocolError,
+    RMVersion,
+    SendAckRequested,
+    SendCloseSequence,
+    SendCreateSequence,
+    SendFault,
+    SendRequested,
+    SendTerminateSequence,
+    Sequence,
+    SequenceAcknowledgement,
+    SequenceEnded,
+    SequenceFault,
+    SourceRecord,
+    SourceSequence,
+    SourceState,
+    TerminateResponded,
+    TerminateSequence,
+    TerminateSequenceResponse,
+    TimerFired,
+    Transmit,
+)
+from qtp.wsrm.protocol import _ranges as ranges
+from qtp.wsrm.runtime._transport import TransportError
+from qtp.wsrm.store import Outgoing, SourceInfo, Store
+
+if TYPE_CHECKING:
+    from qtp.wsrm.runtime._node import Node
+
+log = logging.getLogger("qtp.wsrm.sender")
+
+S = SourceState
+_LIVE = (S.NEW, S.CREATING, S.ACTIVE)
+_ENDED = (S.TERMINATED, S.FAILED)
+
+
+def create_message_id(key: str) -> str:
+    """The MessageID of a sequence's CreateSequence, the same on every retransmission, so the destination
+    can answer a repeated request with the sequence it already made."""
+    return f"urn:uuid:{uuid.UUID(hex=key)}"
+
+
+class Sender:
+    """The node's RM Sources. ``tick()`` is called by the node's maintenance thread; ``wake()`` by senders."""
+
+    def __init__(self, node: "Node"):
+        self.node = node
+        self.limits = node.limits
+        self._machines: dict[str, SourceSequence] = {}
+        self._infos: dict[str, SourceInfo] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._current: dict[str, str] = {}  # route -> the sequence taking its new messages
+        self._offer_routes: dict[str, SourceInfo] = {}
+        self._mutex = threading.Lock()
+        self._pool = ThreadPoolExecutor(self.limits.sender_threads, thread_name_prefix="qtp-send")
+        self._fill_lock = threading.Lock()
+        self.wake = threading.Event()
+
+    # ------------------------------------------------------------------ start-up
+
+    def load(self) -> None:
+        """Rebuild every RM Source from the stores (after the node's transaction recovery)."""
+        for store in self.node.distinct_stores():
+            with store.local() as s:
+                saved = store.sources(s)
+            for info, record in saved:
+                self._adopt(info, record)
+                if record.state in _LIVE and not info.route.startswith("offer:"):
+                    self._current[info.route] = record.key
+                if info.route.startswith("offer:"):
+                    self._offer_routes[info.route] = info
+        if self._machines:
+            log.info("resumed %d outbound sequence(s)", len(self._machines))
+
+    def _adopt(self, info: SourceInfo, record: SourceRecord) -> None:
+        with self._mutex:
+            self._machines[record.key] = SourceSequence(record)
+            self._infos[record.key] = info
+            self._locks.setdefault(record.key, threading.Lock())
+
+    def add_offer_route(self, s: Any, store: Store, identifier: str, peer: str, rm: RMVersion,
+                        soap: str, wsa: str) -> SourceRecord:
+        """We accepted a peer's Offer: an RM Source for our replies, saved in session ``s`` of ``store``;
+        the caller calls ``adopt_offer`` after that session committed."""
+        route = f"offer:{identifier}"
+        record = SourceRecord(key=uuid.uuid4().hex, version=rm, state=S.ACTIVE, identifier=identifier,
+                              retransmit_interval=self.limits.retransmit_interval,
+                              max_interval=self.limits.retransmit_interval_max)
+        store.save_source(s, SourceInfo(route, peer, soap, wsa), record)
+        return record
+
+    def adopt_offer(self, record: SourceRecord, info: SourceInfo) -> None:
+        self._adopt(info, record)
+        self._offer_routes[info.route] = info
+        self._current[info.route] = record.key
+        self.wake.set()
+
+    # ------------------------------------------------------------------ the periodic work
+
+    def tick(self, now: float) -> float | None:
+        """Number and send new messages, fire due timers; return when the next timer is due."""
+        with self._fill_lock:
+            for route in [*self.node.channels, *self._offer_routes]:
+                try:
+                    self._fill(route, now)
+                except QtpError as exc:
+                    log.warning("route %s: cannot take new messages now: %s", route, exc)
+        due: list[float] = []
+        for key in list(self._machines):
+            machine = self._machines.get(key)
+            if machine is None:
+                continue
+            at = machine.next_timer(machine.record)
+            if at is not None and at <= now:
+                self.event(key, TimerFired(now))
+                machine = self._machines.get(key)
+                at = machine.next_timer(machine.record) if machine is not None else None
+            if at is not None:
+                due.append(at)
+        return min(due) if due else None
+
+    def _fill(self, route: str, now: float) -> None:
+        key = self._sequence_for(route, now)
+        if key is None:
+            return
+        machine = self._machines[key]
+        record = machine.record
+        room = min(self.limits.max_unacknowledged - len(record.pending),
+                   self.limits.sequence_max_messages - record.next_number + 1)
+        if room <= 0:
+            return
+        store = self.node.store_for_route(route)
+        with store.local() as s:
+            waiting = store.unnumbered(s, route, room)
+        if waiting:
+            self.event(key, *[SendRequested(now) for _ in waiting], messages=waiting)
+
+    def _sequence_for(self, route: str, now: float) -> str | None:
+        """The sequence that takes ``route``'s new messages, starting a new one when needed."""
+        key = self._current.get(route)
+        machine = self._machines.get(key) if key else None
+        if machine is not None and machine.state in _LIVE and \
+                machine.record.next_number <= self.limits.sequence_max_messages:
+            return key
+        if route.startswith("offer:"):
+            return None
+        store = self.node.store_for_route(route)
+        with store.local() as s:
+            if not store.unnumbered(s, route, 1):
+                return None  # nothing to send: no sequence needed yet
+        if machine is not None and machine.state in _LIVE:
+            self.event(key, CompleteRequested(now))  # full: finish it, its messages drain
+        return self._create(route, now)
+
+    def _create(self, route: str, now: float) -> str:
+        channel = self.node.channels[route]
+        key = uuid.uuid4().hex
+        offer = f"urn:uuid:{uuid.uuid4()}" if channel.reply else None
+        record = SourceRecord(key=key, version=channel.wsrm, retransmit_interval=self.limits.retransmit_interval,
+                              max_interval=self.limits.retransmit_interval_max)
+        info = SourceInfo(route, channel.peer, channel.soap.value, channel.wsa.value)
+        if offer is not None:  # ready for the replies before the peer can know the identifier
+            self.node.receiver.expect_offered(offer, route, channel)
+        self._adopt(info, record)
+        self._current[route] = key
+        self.event(key, CreateRequested(now, offer_identifier=offer))
+        return key
+
+    # ------------------------------------------------------------------ events
+
+    def event(self, key: str, *events: Any, messages: list[Outgoing] | None = None) -> None:
+        """Apply ``events`` to sequence ``key``: save the outcome durably, then carry out the actions."""
+        lock = self._locks.get(key)
+        if lock is None:
+            return
+        with lock:
+            machine = self._machines.get(key)
+            if machine is None:
+                return
+            probe = SourceSequence(machine.record)
+            actions: list[Any] = []
+            try:
+                for event in events:
+                    actions.extend(probe.handle(event))
+            except ProtocolError as exc:
+                log.error("outbound sequence %s: %s", machine.record.identifier or key, exc)
+            info = self._infos[key]
+            store = self.node.store_for_route(info.route)
+            ended = probe.record.state in _ENDED
+            with store.local() as s:
+                if messages:
+                    numbers = [a.number for a in actions if isinstance(a, MessageNumbered)]
+                    store.assign(s, key, [(m.seq, n) for m, n in zip(messages, numbers)])
+                for a in actions:
+                    if isinstance(a, MessagesAcknowledged):
+                        store.acknowledged(s, key, a.ranges)
+                    elif isinstance(a, MessagesLost):
+                        self._requeue(store, s, key, a.ranges)
+                if ended and not probe.record.pending:
+                    store.drop_source(s, key)
+                else:
+                    store.save_source(s, info, probe.record)
+            self._machines[key] = probe
+            if ended:
+                self._forget(key, info)
+        self._carry_out(key, info, actions, messages or [])
+
+    def _requeue(self, store: Store, s: Any, key: str, lost: tuple[tuple[int, int], ...]) -> None:
+        """The sequence ended without these being acknowledged: they go back to their route, to be sent
+        again in a new sequence (at least once; the destination cannot recognise them across sequences)."""
+        messages = store.numbered(s, key, ranges.numbers(lost))
+        for m in messages:
+            store.enqueue(s, replace(m, seq=None, key=None, number=None))
+        store.acknowledged(s, key, lost)
+        if messages:
+            log.warning("sequence %s ended with %d message(s) unacknowledged; they are sent again in a new "
+                        "sequence", key, len(messages))
+
+    def _forget(self, key: str, info: SourceInfo) -> None:
+        with self._mutex:
+            self._machines.pop(key, None)
+            self._infos.pop(key, None)
+            self._locks.pop(key, None)
+        if self._current.get(info.route) == key:
+            del self._current[info.route]
+        if info.route in self._offer_routes and not info.route.startswith("offer:"):
+            del self._offer_routes[info.route]
+        self.wake.set()
+
+    def _carry_out(self, key: str, info: SourceInfo, actions: list[Any], messages: list[Outgoing]) -> None:
+        by_number: dict[int, Outgoing] = {}
+        numbers = [a.number for a in actions if isinstance(a, MessageNumbered)]
+        for m, n in zip(messages, numbers):
+            by_number[n] = replace(m, key=key, number=n)
+        metrics = self.node.metrics
+        for a in actions:
+            if isinstance(a, Transmit):
+                if a.attempt > 1:
+                    metrics.retransmitted.inc()
+                self._submit(self._transmit, key, info, a, by_number.get(a.number))
+            elif isinstance(a, (SendCreateSequence, SendCloseSequence, SendTerminateSequence, SendAckRequested,
+                                SendFault)):
+                self._submit(self._control, key, info, a)
+            elif isinstance(a, MessagesAcknowledged):
+                metrics.acknowledged.inc(ranges.count(a.ranges))
+            elif isinstance(a, OfferAccepted):
+                self.node.receiver.offer_accepted(a.identifier)
+            elif isinstance(a, SequenceEnded):
+                log.info("outbound sequence %s ended: %s", key, a.reason)
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._pool.submit(self._guard, fn, *args)
+        except RuntimeError:  # the node is closing; the timers resend after restart
+            pass
+
+    @staticmethod
+    def _guard(fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # a worker thread must survive; the timer retransmits whatever was not sent
+            log.exception("sending failed")
+
+    # ------------------------------------------------------------------ the wire
+
+    def _envelope(self, info: SourceInfo, **fields: Any) -> Envelope:
+        machine = self._machines.get(fields.pop("key"))
+        rm = machine.record.version if machine is not None else RMVersion.WSRM11
+        wsa = WsaVersion(info.wsa)
+        addressing = fields.pop("addressing")
+        return Envelope(soap=SoapVersion(info.soap), rm=rm, wsa=wsa, addressing=addressing, **fields)
+
+    def _addressing(self, info: SourceInfo, act: str, message_id: str | None = None,
+                    relates_to: str | None = None) -> Addressing:
+        wsa = WsaVersion(info.wsa)
+        reply_to = self.node.endpoint or anonymous(wsa)
+        return Addressing(action=act, to=info.peer, message_id=message_id or f"urn:uuid:{uuid.uuid4()}",
+                          relates_to=relates_to, reply_to=reply_to)
+
+    def _transmit(self, key: str, info: SourceInfo, t: Transmit, message: Outgoing | None) -> None:
+        machine = self._machines.get(key)
+        if machine is None:
+            return
+        rm = machine.record.version
+        if message is None:
+            store = self.node.store_for_route(info.route)
+            with store.local() as s:
+                found = store.numbered(s, key, [t.number])
+            message = found[0] if found else None
+        if message is None and not t.last_message:
+            return  # acknowledged meanwhile
+        acks = (AckRequested(t.identifier),) if t.ack_requested else ()
+        sequence = Sequence(t.identifier, t.number, last_message=t.last_message)
+        if message is None:
+            envelope = self._envelope(info, key=key, sequence=sequence, ack_requests=acks,
+                                      addressing=self._addressing(info, action(rm, "LastMessage")))
+        else:
+            act = WSA_FAULT_ACTION[WsaVersion(info.wsa)] if message.fault is not None else message.action
+            body = SoapFault("Receiver", None, message.fault) if message.fault is not None else None
+            envelope = self._envelope(info, key=key, sequence=sequence, ack_requests=acks, body=body,
+                                      payload=None if body is not None else message.payload,
+                                      addressing=self._addressing(info, act, message.message_id, message.relates_to))
+        self.node.metrics.sent.inc()
+        self._exchange(key, info, envelope)
+
+    def _control(self, key: str, info: SourceInfo, a: Any) -> None:
+        machine = self._machines.get(key)
+        rm = machine.record.version if machine is not None else RMVersion.WSRM11
+        message_id = None
+        if isinstance(a, SendCreateSequence):
+            offer = None
+            if a.offer_identifier is not None:
+                offer = Offer(a.offer_identifier, endpoint=self.node.endpoint if rm is RMVersion.WSRM11 else None)
+            body: Any = CreateSequence(anonymous(WsaVersion(info.wsa)), a.expires, offer)
+            message_id = create_message_id(key)
+        elif isinstance(a, SendCloseSequence):
+            body = CloseSequence(a.identifier, a.last_msg_number)
+        elif isinstance(a, SendTerminateSequence):
+            body = TerminateSequence(a.identifier, a.last_msg_number if rm is RMVersion.WSRM11 else None)
+        elif isinstance(a, SendFault):
+            body = a.fault
+        else:
+            envelope = self._envelope(info, key=key, ack_requests=(AckRequested(a.identifier),),
+                                      addressing=self._addressing(info, action(rm, "AckRequested")))
+            self._exchange(key, info, envelope)
+            return
+        envelope = self._envelope(info, key=key, body=body, addressing=self._addressing(info, "", message_id))
+        envelope = replace(envelope, addressing=replace(envelope.addressing, action=default_action(envelope)))
+        self._exchange(key, info, envelope)
+
+    def _exchange(self, key: str, info: SourceInfo, envelope: Envelope) -> None:
+        try:
+            reply = self.node.transport.post(info.peer, encode(envelope), envelope.soap, envelope.addressing.action)
+        except TransportError as exc:
+            log.debug("%s", exc)
+            return
+        if not reply.body.strip():
+            return
+        try:
+            answer = decode(reply.body)
+        except InvalidMessage as exc:
+            log.warning("unreadable answer (HTTP %d) from %s: %s", reply.status, info.peer, exc)
+            return
+        self.on_answer(answer, key)
+
+    def on_answer(self, answer: Envelope, key: str | None = None) -> None:
+        """Whatever a peer said to our RM Sources: acknowledgements, responses, faults."""
+        now = time.time()
+        if answer.acks:
+            self.on_acks(answer.acks)
+        body = answer.body
+        if isinstance(body, CreateSequenceResponse) and key is not None:
+            self.event(key, CreateSequenceResponded(body, now))
+        elif isinstance(body, CloseSequenceResponse):
+            self._by_identifier(body.identifier, CloseResponded(now))
+        elif isinstance(body, TerminateSequenceResponse):
+            self._by_identifier(body.identifier, TerminateResponded(now))
+        elif isinstance(body, SequenceFault):
+            target = self.key_of(body.identifier) if body.identifier else key
+            if target is not None:
+                self.event(target, FaultReceived(body.code, now))
+        elif isinstance(body, SoapFault):
+            log.info("peer answered with a fault: %s", body.reason)
+
+    def on_acks(self, acks: tuple[SequenceAcknowledgement, ...]) -> None:
+        now = time.time()
+        for ack in acks:
+            self._by_identifier(ack.identifier, AckReceived(ack, now))
+
+    def _by_identifier(self, identifier: str, event: Any) -> None:
+        key = self.key_of(identifier)
+        if key is not None:
+            self.event(key, event)
+
+    def key_of(self, identifier: str) -> str | None:
+        with self._mutex:
+            for key, machine in self._machines.items():
+                if machine.record.identifier == identifier:
+                    return key
+        return None
+
+    # ------------------------------------------------------------------ status and shutdown
+
+    def snapshot(self) -> list[tuple[SourceInfo, SourceRecord]]:
+        with self._mutex:
+            return [(self._infos[k], m.record) for k, m in self._machines.items()]
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on a sender thread (a best-effort send that nothing waits for)."""
+        self._submit(fn)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,177 @@
+"""A node's messaging settings: its endpoint, its inbound store, its channels, its limits.
+
+They come from ``qtp.toml`` (``[node] endpoint/store/mode``, ``[channels.NAME]``, ``[limits]``) or are
+built in code. Every value is checked here, once, with a message naming the setting and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from qtp.errors import ConfigurationError
+from qtp.wsrm.codec import SoapVersion, WsaVersion
+from qtp.wsrm.protocol import MAX_MESSAGE_NUMBER, RMVersion
+
+MODES = ("xa", "persistent", "memory")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Limits of one node; every one can be set in ``[limits]``.
+
+    - ``max_request_bytes``: larger HTTP bodies get 413 and are not read.
+    - ``max_open_sequences``: inbound sequences at once; a CreateSequence beyond it is refused
+      (CreateSequenceRefused).
+    - ``max_unacknowledged``: messages of one outbound sequence sent and not yet acknowledged (the window).
+    - ``max_backlog``: messages of one channel enqueued and not yet acknowledged; ``tx.send`` beyond it
+      raises BacklogFullError (retryable) instead of growing the queue without bound.
+    - ``max_invoker_backlog``: messages stored and not yet applied on this node; beyond it new messages are
+      refused with a Receiver fault *before* they are stored or acknowledged, so the sender retries later.
+    - ``max_attempts``: handler attempts before a message becomes a dead letter.
+    - ``retry_backoff`` / ``retry_backoff_max``: seconds between handler attempts (doubling, capped).
+    - ``retransmit_interval`` / ``retransmit_interval_max``: WS-RM retransmission (doubling, capped).
+    - ``http_timeout``: seconds to connect and to read a peer's answer.
+    - ``sequence_max_messages``: a new outbound sequence starts after this many messages.
+    - ``inactivity_timeout``: an inbound sequence silent this long is ended (seconds).
+    - ``sender_threads`` / ``invoker_threads`` / ``http_threads``: worker threads.
+    """
+
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_open_sequences: int = 1000
+    max_unacknowledged: int = 256
+    max_backlog: int = 1_000_000
+    max_invoker_backlog: int = 100_000
+    max_attempts: int = 5
+    retry_backoff: float = 0.5
+    retry_backoff_max: float = 60.0
+    retransmit_interval: float = 1.0
+    retransmit_interval_max: float = 30.0
+    http_timeout: float = 10.0
+    sequence_max_messages: int = MAX_MESSAGE_NUMBER
+    inactivity_timeout: float = 24 * 3600.0
+    sender_threads: int = 8
+    invoker_threads: int = 4
+    http_threads: int = 16
+
+
+@dataclass(frozen=True)
+class ChannelSettings:
+    """One outbound channel: where its messages go and how."""
+
+    name: str
+    peer: str
+    store: str | None = None       # resource name; None: the node's store
+    mode: str = "xa"
+    wsrm: RMVersion = RMVersion.WSRM11
+    soap: SoapVersion = SoapVersion.SOAP12
+    wsa: WsaVersion = WsaVersion.WSA200508
+    reply: bool = False
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    endpoint: str | None = None    # the URL peers use; None: this node only sends one-way messages
+    listen: tuple[str, int] | None = None
+    store: str | None = None       # resource of the inbound store; None with mode memory
+    mode: str = "xa"
+    channels: dict[str, ChannelSettings] = field(default_factory=dict)
+    limits: Limits = field(default_factory=Limits)
+
+
+def _check_url(what: str, url: Any) -> str:
+    if not isinstance(url, str):
+        raise ConfigurationError(f"{what} must be an http:// or https:// URL, got {url!r}")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigurationError(f"{what} must be an http:// or https:// URL with a host, got {url!r}")
+    return url
+
+
+def _check_mode(what: str, mode: Any) -> str:
+    if mode not in MODES:
+        raise ConfigurationError(f"{what} must be one of {', '.join(MODES)}, got {mode!r}")
+    return str(mode)
+
+
+def _enum(what: str, kind: type, value: Any) -> Any:
+    try:
+        return kind(str(value))
+    except ValueError:
+        allowed = ", ".join(repr(v.value) for v in kind)
+        raise ConfigurationError(f"{what} must be one of {allowed}, got {value!r}") from None
+
+
+def channel_settings(name: str, table: dict[str, Any], node_store: str | None) -> ChannelSettings:
+    where = f"[channels.{name}]"
+    known = {"peer", "store", "mode", "wsrm", "soap", "addressing", "reply"}
+    if not isinstance(table, dict) or set(table) - known:
+        raise ConfigurationError(f"{where} takes {', '.join(sorted(known))}; got {sorted(table)}")
+    if "peer" not in table:
+        raise ConfigurationError(f"{where} needs peer = \"http://host:port/path\" (the other node's endpoint)")
+    wsrm = _enum(f"{where} wsrm", RMVersion, table.get("wsrm", "1.1"))
+    default_wsa = "2005/08" if wsrm is RMVersion.WSRM11 else "2004/08"
+    wsa = _enum(f"{where} addressing", WsaVersion, table.get("addressing", default_wsa))
+    if wsrm is RMVersion.WSRM11 and wsa is not WsaVersion.WSA200508:
+        raise ConfigurationError(f"{where}: WS-RM 1.1 is used with WS-Addressing 2005/08 only")
+    mode = _check_mode(f"{where} mode", table.get("mode", "xa"))
+    store = table.get("store", node_store)
+    if store is None and mode != "memory":
+        raise ConfigurationError(f"{where} needs store = \"RESOURCE\" (or [node] store) for mode {mode!r}")
+    reply = table.get("reply", False)
+    if not isinstance(reply, bool):
+        raise ConfigurationError(f"{where} reply must be true or false")
+    return ChannelSettings(name=name, peer=_check_url(f"{where} peer", table["peer"]), store=store, mode=mode,
+                           wsrm=wsrm, soap=_enum(f"{where} soap", SoapVersion, table.get("soap", "1.2")),
+                           wsa=wsa, reply=reply)
+
+
+def limits(table: dict[str, Any]) -> Limits:
+    names = {f.name: f.type for f in dataclasses.fields(Limits)}
+    unknown = set(table) - set(names)
+    if unknown:
+        raise ConfigurationError(f"[limits]: unknown {sorted(unknown)}; known: {', '.join(sorted(names))}")
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        kind = int if names[key] in ("int", int) else float
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigurationError(f"[limits] {key} must be a positive number, got {value!r}")
+        values[key] = kind(value)
+    return Limits(**values)
+
+
+def node_settings(messaging: dict[str, Any], resources: set[str]) -> NodeSettings:
+    """Settings from the ``messaging`` part of a loaded configuration (``qtp.config.Config.messaging``)."""
+    node = messaging.get("node", {})
+    endpoint = node.get("endpoint")
+    if endpoint is not None:
+        _check_url("[node] endpoint", endpoint)
+    listen = None
+    if node.get("listen") is not None:
+        host, _, port = str(node["listen"]).rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigurationError(f"[node] listen must be HOST:PORT, got {node['listen']!r}")
+        listen = (host, int(port))
+    store = node.get("store")
+    mode = _check_mode("[node] mode", node.get("mode", "xa"))
+    channels = {name: channel_settings(name, table, store) for name, table in messaging.get("channels", {}).items()}
+    for name in [store, *(c.store for c in channels.values())]:
+        if name is not None and name not in resources:
+            raise ConfigurationError(f"store resource {name!r} is not defined; add a [resources.{name}] table")
+    settings = NodeSettings(endpoint=endpoint, listen=listen, store=store, mode=mode, channels=channels,
+                            limits=limits(messaging.get("limits", {})))
+    check(settings)
+    return settings
+
+
+def check(settings: NodeSettings) -> None:
+    """Cross-setting rules, for settings built in code as well as from a file."""
+    if settings.store is None and settings.mode != "memory" and settings.endpoint is not None:
+        raise ConfigurationError("[node] store = \"RESOURCE\" is needed to receive messages in mode "
+                                 f"{settings.mode!r} (or set [node] mode = \"memory\")")
+    for channel in settings.channels.values():
+        if channel.reply and settings.endpoint is None:
+            raise ConfigurationError(f"[channels.{channel.name}] reply = true needs [node] endpoint: replies "
+                                     "come back to this node's own endpoint")

@@ -1,0 +1,82 @@
+"""SOAP over HTTP: content types, status codes, and the node's one pooled HTTP client.
+
+A transport failure is never a message failure: the RM Source keeps every unacknowledged message and
+retransmits on its timer, so the transport only retries briefly (connection refused or reset, a few times,
+exponential backoff with jitter) to ride over a peer that is restarting, then reports the failure and
+lets the protocol's retransmission take over.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import requests
+import tenacity
+from requests.adapters import HTTPAdapter
+
+from qtp.errors import QtpError
+from qtp.wsrm.codec import SoapVersion
+
+log = logging.getLogger("qtp.wsrm.transport")
+
+CONTENT_TYPE = {
+    SoapVersion.SOAP11: "text/xml; charset=utf-8",
+    SoapVersion.SOAP12: "application/soap+xml; charset=utf-8",
+}
+
+
+def content_type(soap: SoapVersion, action: str | None) -> str:
+    """The Content-Type of a SOAP message; SOAP 1.2 carries the action as a media type parameter."""
+    if soap is SoapVersion.SOAP12 and action:
+        return f'{CONTENT_TYPE[soap]}; action="{action}"'
+    return CONTENT_TYPE[soap]
+
+
+def soap_version_of(content_type_header: str | None) -> SoapVersion | None:
+    """Which SOAP binding a request's Content-Type names (None: not SOAP)."""
+    media = (content_type_header or "").split(";", 1)[0].strip().lower()
+    return {"text/xml": SoapVersion.SOAP11, "application/soap+xml": SoapVersion.SOAP12}.get(media)
+
+
+class TransportError(QtpError):
+    """The peer could not be reached or did not answer; the message stays queued and is retransmitted."""
+
+    retryable = True
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    content_type: str
+    body: bytes
+
+
+class Transport:
+    """One pooled ``requests.Session`` per node, with connect/read timeouts and brief transport retries."""
+
+    def __init__(self, timeout: float = 10.0, pool: int = 32, attempts: int = 3, backoff_max: float = 1.0):
+        self.timeout = (min(timeout, 5.0), timeout)
+        self.session = requests.Session()
+        adapter = HTTPAdapter(pool_connections=pool, pool_maxsize=pool, max_retries=0)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        self._retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(attempts),
+            wait=tenacity.wait_random_exponential(multiplier=0.05, max=backoff_max),
+            retry=tenacity.retry_if_exception_type(requests.ConnectionError),
+            reraise=True,
+        )
+
+    def post(self, url: str, body: bytes, soap: SoapVersion, action: str | None) -> Reply:
+        headers = {"Content-Type": content_type(soap, action)}
+        if soap is SoapVersion.SOAP11:
+            headers["SOAPAction"] = f'"{action or ""}"'
+        try:
+            response = self._retrying(self.session.post, url, data=body, headers=headers, timeout=self.timeout)
+        except requests.RequestException as exc:
+            raise TransportError(f"POST {url} failed: {type(exc).__name__}: {exc}") from exc
+        return Reply(response.status_code, response.headers.get("Content-Type", ""), response.content)
+
+    def close(self) -> None:
+        self.session.close()
