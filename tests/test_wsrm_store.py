@@ -182,3 +182,19 @@ def test_concurrent_senders_do_not_wait_for_each_other(kind, request, tmp_path):
     with store.local() as s:
         assert store.backlog(s, "orders") == 2
     tm.close()
+
+
+def test_summary_counts_for_operators(store):
+    with store.local() as s:
+        for i in range(3):
+            store.enqueue(s, _out("orders", i))
+        store.store_incoming(s, _in("urn:d", 1))
+        store.store_incoming(s, _in("urn:d", 2))
+    with store.local() as s:
+        first = store.unnumbered(s, "orders", 1)
+        store.assign(s, "k1", [(first[0].seq, 1)])
+        store.dead_letter(s, store.incoming(s, "urn:d", 1)[0], "boom", 1.0)
+    with store.local() as s:
+        summary = store.summary(s)
+    assert summary.outgoing == {("orders", "k1"): (1, 1000.0), ("orders", None): (2, 1001.0)}
+    assert summary.incoming == {"urn:d": 1} and summary.dead_letters == 1

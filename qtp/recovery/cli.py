@@ -83,8 +83,17 @@ def render_report(report: RecoveryReport) -> str:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    return _run(args, lambda config: node_status(config, warn_age_s=config.warn_prepared_age),
-                lambda status: status.__dict__, render_status, lambda status: not status.warnings)
+    from qtp.wsrm.runtime.cli import messaging_status, render_messaging
+
+    def compute(config: Any) -> NodeStatus:
+        status = node_status(config, warn_age_s=config.warn_prepared_age)
+        status.messaging = messaging_status(config)  # type: ignore[attr-defined]
+        return status
+
+    def render(status: NodeStatus) -> str:
+        return render_status(status) + "\n" + render_messaging(status.messaging)  # type: ignore[attr-defined]
+
+    return _run(args, compute, lambda status: status.__dict__, render, lambda status: not status.warnings)
 
 
 def render_status(status: NodeStatus) -> str:

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("qtp.wsrm.invoker")
 
 Message = Incoming  # what a handler receives
+REDELIVERY = "urn:qtp:redelivery"  # dead letters sent back by `qtp dead-letters retry` (numbered by letter id)
 
 
 class _Schedule:
@@ -126,7 +127,8 @@ class Invoker:
         with self._mutex:
             machine = self._machines.get(identifier)
             if machine is None:
-                machine = self._machines[identifier] = InvokerBuffer(InvokerRecord(identifier, in_order=True))
+                record = InvokerRecord(identifier, in_order=identifier != REDELIVERY)
+                machine = self._machines[identifier] = InvokerBuffer(record)
             return machine
 
     def stored(self, identifier: str, number: int) -> None:
@@ -141,6 +143,17 @@ class Invoker:
                 return
             actions = machine.handle(SequenceCompleted(received))
         self._dispatch(actions)
+
+    def poll_redeliveries(self) -> None:
+        """Pick up dead letters that an operator queued again (``qtp dead-letters retry``)."""
+        with self.store.local() as s:
+            waiting = self.store.incoming(s, REDELIVERY)
+        with self._mutex:
+            known = self.ensure(REDELIVERY).record
+            fresh = [m.number for m in waiting
+                     if not ranges.contains(known.stored, m.number) and not ranges.contains(known.delivered, m.number)]
+        for number in fresh:
+            self.stored(REDELIVERY, number)
 
     def backlog(self) -> int:
         with self._mutex:

@@ -217,12 +217,16 @@ class Node:
         self._threads.append(thread)
 
     def _maintain(self) -> None:
+        polled = 0.0
         while not self._stopping.is_set():
             self.sender.wake.clear()
             now = time.time()
             try:
                 due = self.sender.tick(now)
                 self.receiver.tick(now)
+                if now - polled > 2.0:
+                    self.invoker.poll_redeliveries()
+                    polled = now
             except Exception:  # keep running: the next tick retries from the stores
                 log.exception("node maintenance failed")
                 due = now + 1.0

@@ -124,6 +124,9 @@ class Sender:
             with store.local() as s:
                 saved = store.sources(s)
             for info, record in saved:
+                channel = self.node.channels.get(info.route)
+                if channel is not None and channel.peer != info.peer:
+                    info = replace(info, peer=channel.peer)  # the configuration moved the peer
                 self._adopt(info, record)
                 if record.state in _LIVE and not info.route.startswith("offer:"):
                     self._current[info.route] = record.key

@@ -11,9 +11,10 @@ from qtp.wsrm.store._contract import (
     Outgoing,
     SourceInfo,
     Store,
+    Summary,
 )
 from qtp.wsrm.store._memory import MemoryStore
 from qtp.wsrm.store._sql import SqlStore
 
 __all__ = ["Buffered", "DeadLetter", "DestinationInfo", "Incoming", "MemoryStore", "Outgoing", "SourceInfo",
-           "SqlStore", "Store"]
+           "SqlStore", "Store", "Summary"]

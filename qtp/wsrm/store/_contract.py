@@ -115,6 +115,13 @@ class SourceInfo:
     wsa: str = "2005/08"
 
 
+@dataclass(frozen=True, slots=True)
+class Summary:
+    outgoing: dict[tuple[str, str | None], tuple[int, float]]  # (route, key or None) -> (count, oldest)
+    incoming: dict[str, int]
+    dead_letters: int
+
+
 class Session(abc.ABC):
     """A store's unit of atomicity (see the module docstring); only the store knows what is inside."""
 
@@ -211,6 +218,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def invokers(self, s: Any) -> list[InvokerRecord]:
         """Every saved invoker record."""
+
+    @abc.abstractmethod
+    def summary(self, s: Any) -> "Summary":
+        """Counts for operators: outgoing messages per (route, sequence key) with the oldest enqueue time,
+        stored messages per inbound sequence, dead letters."""
 
     # ------------------------------------------------------------------ dead letters
 

@@ -17,7 +17,7 @@ from typing import Iterator
 
 from qtp.wsrm.protocol import AckRanges, DestinationRecord, InvokerRecord, SourceRecord
 from qtp.wsrm.protocol import _ranges as ranges
-from qtp.wsrm.store._contract import DeadLetter, DestinationInfo, Incoming, Outgoing, SourceInfo, Store
+from qtp.wsrm.store._contract import DeadLetter, DestinationInfo, Incoming, Outgoing, SourceInfo, Store, Summary
 
 
 @dataclass
@@ -135,6 +135,16 @@ class MemoryStore(Store):
 
     def invokers(self, s: _Data) -> list[InvokerRecord]:
         return [s.invokers[i] for i in sorted(s.invokers)]
+
+    def summary(self, s: _Data) -> Summary:
+        out: dict[tuple[str, str | None], tuple[int, float]] = {}
+        for m in s.outgoing.values():
+            count, oldest = out.get((m.route, m.key), (0, m.enqueued_at))
+            out[m.route, m.key] = (count + 1, min(oldest, m.enqueued_at))
+        inc: dict[str, int] = {}
+        for identifier, _ in s.incoming:
+            inc[identifier] = inc.get(identifier, 0) + 1
+        return Summary(out, inc, len(s.dead))
 
     # ------------------------------------------------------------------ dead letters
 

@@ -37,6 +37,7 @@ from qtp.wsrm.store._contract import (
     Outgoing,
     SourceInfo,
     Store,
+    Summary,
 )
 
 _BLOB = sa.LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
@@ -243,6 +244,13 @@ class SqlStore(Store):
     def invokers(self, s: Connection) -> list[InvokerRecord]:
         return [from_row(InvokerRecord, json.loads(row.record))
                 for row in s.execute(invokers.select().order_by(invokers.c.identifier))]
+
+    def summary(self, s: Connection) -> Summary:
+        out = s.execute(sa.select(outgoing.c.route, outgoing.c.seq_key, sa.func.count(), sa.func.min(outgoing.c.enqueued_at))
+                        .group_by(outgoing.c.route, outgoing.c.seq_key))
+        inc = s.execute(sa.select(incoming.c.identifier, sa.func.count()).group_by(incoming.c.identifier))
+        dead = s.execute(sa.select(sa.func.count()).select_from(dead_letters)).scalar_one()
+        return Summary({(r, k): (int(n), float(t)) for r, k, n, t in out}, {i: int(n) for i, n in inc}, int(dead))
 
     # ------------------------------------------------------------------ dead letters
 

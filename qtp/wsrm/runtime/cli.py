@@ -1,0 +1,207 @@
+"""``qtp serve`` (run a node) and ``qtp dead-letters list|retry|drop``; ``qtp status`` shows sequences too.
+
+``qtp serve --config server.toml`` runs the node the file describes: transaction recovery, the stores, the
+sender, the invoker and the HTTP endpoint in waitress, until SIGTERM or Ctrl-C. The application's handlers
+are registered by the module named with ``--app module:attribute`` (imported first; the attribute is the
+``qtp.Node`` it built), e.g. ``qtp serve --app shop.server:node``.
+
+Why waitress: it is a production WSGI server in pure Python with a thread pool and no fork. A node must be
+one process (its decision log is locked by one transaction manager, and the runtime keeps its sequences'
+machines in memory), which rules out gunicorn's pre-fork workers; waitress serves a threaded process well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import signal
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy
+
+from qtp.config import Config, load_config
+from qtp.errors import ConfigurationError
+from qtp.wsrm.runtime._invoker import REDELIVERY
+from qtp.wsrm.runtime._settings import node_settings
+from qtp.wsrm.store import SqlStore, Store
+from qtp.xa._sql import normalize_url
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run a node: recovery, HTTP endpoint, sender and invoker")
+    p.add_argument("--config", default=None, help="the node's qtp.toml (default ./qtp.toml)")
+    p.add_argument("--app", default=None, metavar="MODULE:ATTR",
+                   help="import MODULE, which registers the handlers on the qtp.Node it names ATTR")
+    p.set_defaults(func=run_serve)
+    d = sub.add_parser("dead-letters", help="list, retry or drop messages whose handler kept failing")
+    d.add_argument("action", choices=["list", "retry", "drop"])
+    d.add_argument("ids", nargs="*", type=int, help="dead letter ids (retry/drop); none: every one")
+    d.add_argument("--config", default="qtp.toml", help="the node's qtp.toml (default ./qtp.toml)")
+    d.add_argument("--json", action="store_true", help="print JSON (list)")
+    d.set_defaults(func=run_dead_letters)
+
+
+# ---------------------------------------------------------------------------------------------- serve
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import qtp
+
+    node = _load_app(args.app) if args.app else qtp.Node.from_config(args.config or "qtp.toml")
+    qtp.install(node.manager)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"qtp serve: node {node.manager.node_id} at {node.endpoint or '(no endpoint: sending only)'}; "
+          f"channels {', '.join(sorted(node.channels)) or 'none'}; handlers {len(node.handlers)}", flush=True)
+    while not stop.wait(1.0):
+        pass
+    node.close()
+    return 0
+
+
+def _load_app(spec: str) -> Any:
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigurationError(f"--app takes MODULE:ATTRIBUTE (e.g. shop.server:node), got {spec!r}")
+    sys.path.insert(0, str(Path.cwd()))
+    module = importlib.import_module(module_name)
+    node = getattr(module, attribute, None)
+    node = getattr(node, "node", None) if node is not None and not hasattr(node, "handlers") else node
+    if node is None or not hasattr(node, "handlers"):
+        raise ConfigurationError(f"{spec}: {module_name}.{attribute} is not a qtp.Node")
+    return node
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+def _stores(config: Config) -> list[tuple[str, Store, sqlalchemy.Engine]]:
+    """The node's SQL stores, opened read-write on their own (the node itself may be running)."""
+    settings = node_settings(config.messaging, set(config.resources))
+    names = [settings.store] if settings.mode != "memory" else []
+    names += [c.store for c in settings.channels.values() if c.mode != "memory"]
+    opened: dict[str, tuple[str, Store, sqlalchemy.Engine]] = {}
+    for name in names:
+        if name is None:
+            continue
+        url = config.resources[name]
+        if url in opened:
+            continue
+        engine = sqlalchemy.create_engine(normalize_url(url), poolclass=sqlalchemy.pool.NullPool)
+        store = SqlStore(name, engine)
+        store.create()
+        opened[url] = (name, store, engine)
+    return list(opened.values())
+
+
+def messaging_status(config: Config) -> dict[str, Any]:
+    """Sequences (both directions), invoker backlog and dead letters, read from the node's stores."""
+    if not config.messaging["channels"] and not config.messaging["node"].get("endpoint"):
+        return {"sequences": [], "dead_letters": 0, "invoker_backlog": 0}
+    now = time.time()
+    sequences, dead, backlog = [], 0, 0
+    for name, store, engine in _stores(config):
+        try:
+            with store.local() as s:
+                summary = store.summary(s)
+                for info, record in store.sources(s):
+                    count, oldest = summary.outgoing.get((info.route, record.key), (0, None))
+                    sequences.append({
+                        "direction": "out", "store": name, "route": info.route, "peer": info.peer,
+                        "identifier": record.identifier, "state": record.state.value,
+                        "last_number": record.next_number - 1, "unacknowledged": count,
+                        "oldest_unacknowledged_age_s": None if oldest is None else round(now - oldest, 3)})
+                for route, key in summary.outgoing:
+                    if key is None:
+                        count, oldest = summary.outgoing[route, key]
+                        sequences.append({"direction": "out", "store": name, "route": route, "peer": None,
+                                          "identifier": None, "state": "QUEUED", "last_number": 0,
+                                          "unacknowledged": count,
+                                          "oldest_unacknowledged_age_s": round(now - oldest, 3)})
+                for info, record in store.destinations(s):
+                    waiting = summary.incoming.get(record.identifier, 0)
+                    sequences.append({
+                        "direction": "in", "store": name, "route": info.channel or "-", "peer": info.reply_to,
+                        "identifier": record.identifier, "state": record.state.value,
+                        "last_number": record.received[-1][1] if record.received else 0,
+                        "invoker_backlog": waiting})
+                dead += summary.dead_letters
+                backlog += sum(summary.incoming.values())
+        finally:
+            engine.dispose()
+    return {"sequences": sequences, "dead_letters": dead, "invoker_backlog": backlog}
+
+
+def render_messaging(status: dict[str, Any]) -> str:
+    rows = [[q["direction"], q["route"], q["peer"] or "-", q["identifier"] or "-", q["state"], q["last_number"],
+             q.get("unacknowledged", "-"), _age(q.get("oldest_unacknowledged_age_s")), q.get("invoker_backlog", "-")]
+            for q in status["sequences"]]
+    lines = [f"  messaging: {len(rows)} sequence(s), invoker backlog {status['invoker_backlog']}, "
+             f"dead letters {status['dead_letters']}"]
+    if rows:
+        from qtp.recovery.cli import _table
+
+        table = _table(["dir", "route", "peer", "sequence", "state", "last #", "unacked", "oldest", "backlog"],
+                       rows)
+        lines += ["    " + line for line in table.splitlines()]
+    return "\n".join(lines)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+
+# ---------------------------------------------------------------------------------------------- dead letters
+
+
+def run_dead_letters(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    stores = _stores(config)
+    if not stores:
+        raise ConfigurationError(f"{args.config}: no SQL store ([node] store or [channels.*] store)")
+    name, store, engine = stores[0]
+    try:
+        with store.local() as s:
+            letters = store.dead_letters(s)
+            chosen = [x for x in letters if not args.ids or x.id in args.ids]
+            missing = set(args.ids) - {x.id for x in letters}
+            if missing:
+                raise ConfigurationError(f"no dead letter with id {sorted(missing)} in store {name!r}")
+            if args.action == "list":
+                _print_letters(chosen, args.json)
+                return 0
+            for letter in chosen:
+                store.take_dead_letter(s, letter.id)
+                if args.action == "retry":
+                    store.store_incoming(s, replace(letter.message, identifier=REDELIVERY, number=letter.id,
+                                                    attempts=0, not_before=0.0, last_error=None))
+    finally:
+        engine.dispose()
+    verb = "queued again for its handler" if args.action == "retry" else "dropped"
+    print(f"{len(chosen)} dead letter(s) {verb}")
+    return 0
+
+
+def _print_letters(letters: list[Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([{"id": x.id, "sequence": x.message.identifier, "number": x.message.number,
+                           "message_id": x.message.message_id, "action": x.message.action,
+                           "attempts": x.message.attempts, "error": x.error, "failed_at": x.failed_at,
+                           "payload": (x.message.payload or b"").decode("utf-8", "replace")} for x in letters],
+                         indent=2))
+        return
+    from qtp.recovery.cli import _table
+
+    print(_table(["id", "sequence", "#", "action", "failed", "error"],
+                 [[x.id, x.message.identifier, x.message.number, x.message.action,
+                   time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(x.failed_at)),
+                   x.error.splitlines()[-1][:60] if x.error else ""] for x in letters]))
