@@ -137,8 +137,8 @@ def test_enqueue_joins_the_global_transaction(kind, request, tmp_path):
     """Enqueued through a branch of a global transaction: there iff the transaction committed."""
     url = request.getfixturevalue("pg_db" if kind == "postgresql" else "maria_db")("app")
     tm = qtp.TransactionManager("store-node", tmp_path, recovery_interval=None)
-    resource = tm.add_resource("app", url)
-    store = SqlStore("app", resource.engine)
+    tm.add_resource("app", url)
+    store = SqlStore("app", sqlalchemy.create_engine(url))
     store.create()
     with pytest.raises(ZeroDivisionError):
         with tm.transaction() as tx:
@@ -157,8 +157,8 @@ def test_concurrent_senders_do_not_wait_for_each_other(kind, request, tmp_path):
     second enqueues and commits. If enqueue took a shared lock the second would block until the timeout."""
     url = request.getfixturevalue("pg_db" if kind == "postgresql" else "maria_db")("app")
     tm = qtp.TransactionManager("store-node", tmp_path, recovery_interval=None)
-    resource = tm.add_resource("app", url)
-    store = SqlStore("app", resource.engine)
+    tm.add_resource("app", url)
+    store = SqlStore("app", sqlalchemy.create_engine(url))
     store.create()
     holding, release, done = threading.Event(), threading.Event(), []
 
@@ -198,3 +198,11 @@ def test_summary_counts_for_operators(store):
         summary = store.summary(s)
     assert summary.outgoing == {("orders", "k1"): (1, 1000.0), ("orders", None): (2, 1001.0)}
     assert summary.incoming == {"urn:d": 1} and summary.dead_letters == 1
+
+
+def test_a_store_refuses_an_autocommit_engine(maria_db):
+    """A MySQL XA resource's engine autocommits: a store on it would commit statement by statement."""
+    engine = sqlalchemy.create_engine(maria_db("auto"), connect_args={"autocommit": True})
+    with pytest.raises(qtp.errors.ConfigurationError, match="autocommits"):
+        SqlStore("auto", engine).create()
+    engine.dispose()

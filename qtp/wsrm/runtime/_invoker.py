@@ -171,7 +171,8 @@ class Invoker:
 
     def handler_registered(self) -> None:
         """A handler was registered: retry the messages that were waiting for one."""
-        parked, self._parked = self._parked, set()
+        with self._mutex:
+            parked, self._parked = self._parked, set()
         for item in parked:
             self._schedule.put(item)
 
@@ -215,9 +216,11 @@ class Invoker:
             self._finish_without_handler(message)
             return
         info = self.node.receiver.info(identifier)
-        handler = self.node.handler_for(message, info)
+        with self._mutex:  # checked and parked atomically: a handler registered now cannot be missed
+            handler = self.node.handler_for(message, info)
+            if handler is None:
+                self._parked.add((identifier, number))
         if handler is None:
-            self._parked.add((identifier, number))
             log.warning("no handler for action %r (sequence %s #%d); it waits until one is registered",
                         message.action, identifier, number)
             return

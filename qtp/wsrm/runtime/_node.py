@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+import sqlalchemy
+
 from qtp.errors import BacklogFullError, ConfigurationError
 from qtp.wsrm.codec import Addressing, Envelope, WsaVersion, anonymous, check_payload, encode
 from qtp.wsrm.codec._names import action as rm_action
@@ -106,10 +108,13 @@ class Node:
         target = self.manager.resource(resource)
         key = id(target)
         if key not in self._stores:
-            engine = getattr(target, "engine", None)
-            if engine is None:
+            url = getattr(target, "url", None)
+            if url is None:
                 raise ConfigurationError(f"resource {resource!r} is not a SQL database; a store needs one "
                                          "(or mode = \"memory\")")
+            # The store's local transactions get their own engine: the resource's pooled connections are
+            # left in XA/two-phase modes (MariaDB: autocommit on) that would make them non-atomic.
+            engine = sqlalchemy.create_engine(url, pool_size=8, max_overflow=16, pool_pre_ping=True)
             self._stores[key] = SqlStore(resource, engine)
         return self._stores[key]
 

@@ -128,7 +128,7 @@ class Sender:
                 if channel is not None and channel.peer != info.peer:
                     info = replace(info, peer=channel.peer)  # the configuration moved the peer
                 self._adopt(info, record)
-                if record.state in _LIVE and not info.route.startswith("offer:"):
+                if record.state in _LIVE:
                     self._current[info.route] = record.key
                 if info.route.startswith("offer:"):
                     self._offer_routes[info.route] = info
@@ -263,6 +263,10 @@ class Sender:
                     store.drop_source(s, key)
                 else:
                     store.save_source(s, info, probe.record)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("sequence %s saved: next %d, acked %s, pending %d, events %s", key,
+                          probe.record.next_number, probe.record.acked, len(probe.record.pending),
+                          sorted({type(e).__name__ for e in events}))
             self._machines[key] = probe
             if ended:
                 self._forget(key, info)
@@ -286,8 +290,8 @@ class Sender:
             self._locks.pop(key, None)
         if self._current.get(info.route) == key:
             del self._current[info.route]
-        if info.route in self._offer_routes and not info.route.startswith("offer:"):
-            del self._offer_routes[info.route]
+        if info.route.startswith("offer:"):  # an offered sequence cannot be created again
+            self._offer_routes.pop(info.route, None)
         self.wake.set()
 
     def _carry_out(self, key: str, info: SourceInfo, actions: list[Any], messages: list[Outgoing]) -> None:

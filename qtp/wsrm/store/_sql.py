@@ -22,6 +22,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection, Engine
 
+from qtp.errors import ConfigurationError
+
 from qtp.wsrm.protocol import (
     AckRanges,
     DestinationRecord,
@@ -59,7 +61,7 @@ outgoing = sa.Table(
     sa.Column("seq_key", sa.String(64)),
     sa.Column("number", sa.BigInteger),
     sa.Index("qtp_rm_outgoing_route", "route", "seq_key", "seq"),
-    sa.Index("qtp_rm_outgoing_number", "seq_key", "number"),
+    sa.Index("qtp_rm_outgoing_number", "seq_key", "number", unique=True),  # a number names one message
 )
 
 sources = sa.Table(
@@ -142,6 +144,14 @@ class SqlStore(Store):
         return f"<SqlStore {self.name} {self.engine.url.render_as_string(hide_password=True)}>"
 
     def create(self) -> None:
+        """Create the tables if missing. Refuses an engine whose connections autocommit (a MySQL XA
+        resource's engine is one): the store's local transactions would not be atomic on it."""
+        if self.engine.dialect.name in ("mysql", "mariadb"):
+            with self.engine.connect() as conn:
+                if conn.exec_driver_sql("SELECT @@autocommit").scalar():
+                    raise ConfigurationError(
+                        f"store {self.name!r}: its engine autocommits, so its transactions would not be atomic; "
+                        "give the store an engine of its own (sqlalchemy.create_engine(url))")
         metadata.create_all(self.engine)
 
     @contextlib.contextmanager

@@ -1,0 +1,105 @@
+"""The application run by the two-node tests, as ``qtp serve --app rm_app:node`` (PYTHONPATH=tests).
+
+Environment:
+
+- ``QTP_TEST_CONFIG``: the node's qtp.toml;
+- ``QTP_TEST_SEND=N``: send orders 1..N on channel ``orders`` from a background thread, each in a
+  transaction that also inserts the order's row in the client table ``orders`` (resource ``app``); every
+  ``QTP_TEST_ABORT_EVERY``-th transaction raises after sending, so neither row nor message may exist.
+  After a restart the thread resumes after the highest committed order.
+- ``QTP_TEST_FAIL=K,...``: the server's handler raises for these order numbers (dead letters / faults).
+
+Server side: the handler of ``urn:test:apply`` inserts a row into ``applied`` (no unique key, so a
+duplicate apply would show as two rows) and, on a request-reply channel, answers ``<done k="K"/>``. Client
+side: the reply handler counts replies (and faults) per order in ``orders``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+
+import sqlalchemy as sa
+from sqlalchemy import text
+
+import qtp
+
+logging.basicConfig(level=os.environ.get("QTP_TEST_LOG", "WARNING"),
+                    format="%(asctime)s %(process)d %(threadName)s %(name)s %(levelname)s %(message)s", force=True)
+
+ACTION = "urn:test:apply"
+node = qtp.Node.from_config(os.environ["QTP_TEST_CONFIG"])
+qtp.install(node.manager)
+_FAIL = {int(k) for k in os.environ.get("QTP_TEST_FAIL", "").split(",") if k.strip()}
+
+
+def _order(payload: bytes) -> int:
+    found = re.search(rb'k="(\d+)"', payload)
+    if found is None:
+        raise ValueError(f"not an order: {payload[:80]!r}")
+    return int(found.group(1))
+
+
+@node.handler(ACTION)
+def apply(tx, message):
+    k = _order(message.payload)
+    if k in _FAIL:
+        raise RuntimeError(f"order {k} is refused by the test")
+    tx.connection("app").execute(text("INSERT INTO applied (k, seq, num) VALUES (:k, :s, :n)"),
+                                 {"k": k, "s": message.identifier, "n": message.number})
+    return f'<done xmlns="urn:test" k="{k}"/>'.encode()
+
+
+if "orders" in node.channels and node.channels["orders"].reply:
+    @node.reply_handler("orders")
+    def replied(tx, reply):
+        column = "faults" if reply.fault is not None else "replies"
+        if reply.fault is not None:
+            k = int(re.search(r"order (\d+)", reply.fault).group(1))
+        else:
+            k = _order(reply.payload)
+        tx.connection("app").execute(text(f"UPDATE orders SET {column} = {column} + 1 WHERE k = :k"), {"k": k})
+
+
+class Abort(Exception):
+    """The test's deliberate rollback."""
+
+
+def _send(count: int, abort_every: int) -> None:
+    engine = node.manager.resource("app").engine
+    with engine.connect() as conn:
+        start = conn.execute(text("SELECT COALESCE(MAX(k), 0) FROM orders")).scalar() + 1
+    for k in range(start, count + 1):
+        while True:
+            try:
+                with qtp.transaction() as tx:
+                    tx.connection("app").execute(text("INSERT INTO orders (k) VALUES (:k)"), {"k": k})
+                    tx.send("orders", f'<order xmlns="urn:test" k="{k}"/>'.encode(), action=ACTION)
+                    if abort_every and k % abort_every == 0:
+                        raise Abort()
+                break
+            except Abort:
+                break
+            except Exception as exc:  # a database restarting: try again unless it did commit
+                logging.warning("sending order %d failed (%s); retrying", k, exc)
+                time.sleep(0.2)
+                if _committed(engine, k):
+                    break
+
+
+def _committed(engine: sa.Engine, k: int) -> bool:
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT COUNT(*) FROM orders WHERE k = :k"), {"k": k}).scalar() == 1
+    except Exception:
+        return False
+
+
+_count = int(os.environ.get("QTP_TEST_SEND", "0"))
+if _count:
+    threading.Thread(target=_send, args=(_count, int(os.environ.get("QTP_TEST_ABORT_EVERY", "0"))),
+                     name="test-sender", daemon=True).start()
+

@@ -1,0 +1,199 @@
+"""Two qtp nodes as separate OS processes (``qtp serve --app rm_app:node``), their configs and checks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+import sqlalchemy as sa
+from sqlalchemy import text
+
+from qtp.embedded import free_port
+
+TESTS = Path(__file__).resolve().parent
+
+
+def create(url: str, ddl: str) -> None:
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with engine.begin() as conn:
+        conn.execute(text(ddl))
+    engine.dispose()
+
+
+def client_schema(url: str) -> None:
+    create(url, "CREATE TABLE orders (k int PRIMARY KEY, replies int NOT NULL DEFAULT 0, "
+                "faults int NOT NULL DEFAULT 0)")
+
+
+def server_schema(url: str) -> None:
+    auto = "SERIAL" if url.startswith("postgresql") else "int AUTO_INCREMENT"
+    create(url, f"CREATE TABLE applied (id {auto} PRIMARY KEY, k int NOT NULL, seq varchar(255), num bigint)")
+
+
+def rows(url: str, query: str) -> list[tuple]:
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(text(query))]
+    finally:
+        engine.dispose()
+
+
+@dataclass
+class Pair:
+    """The configuration of a client node and a server node."""
+
+    client_app: str
+    server_app: str
+    client_store: str | None = None   # URL of the client's store database (None: its app database)
+    server_store: str | None = None
+    wsrm: str = "1.1"
+    soap: str = "1.2"
+    reply: bool = False
+    mode: str = "xa"
+    limits: str = ""
+    server_port: int = 0
+    client_port: int = 0
+    proxy_port: int | None = None     # the client talks to this port (a lossy proxy) instead of the server
+
+    def __post_init__(self) -> None:
+        self.server_port = self.server_port or free_port()
+        self.client_port = self.client_port or free_port()
+
+    def write(self, folder: Path) -> tuple[Path, Path]:
+        peer = self.proxy_port or self.server_port
+        client = _toml("client", self.client_app, self.client_store, self.client_port, self.mode, self.limits,
+                       folder, f'''
+[channels.orders]
+peer = "http://127.0.0.1:{peer}/rm"
+store = "{'store' if self.client_store else 'app'}"
+mode = "{self.mode}"
+wsrm = "{self.wsrm}"
+soap = "{self.soap}"
+reply = {str(self.reply).lower()}
+''')
+        server = _toml("server", self.server_app, self.server_store, self.server_port, self.mode, self.limits,
+                       folder, "")
+        (folder / "client.toml").write_text(client)
+        (folder / "server.toml").write_text(server)
+        return folder / "client.toml", folder / "server.toml"
+
+
+def _toml(role: str, app: str, store: str | None, port: int, mode: str, limits: str, folder: Path,
+          channels: str) -> str:
+    store_resource = f'\n[resources.store]\nurl = "{store}"\n' if store else ""
+    return f'''
+[node]
+id = "{role}-{folder.name[-20:].replace('_', '-')}"
+log_dir = "{folder / 'logs'}"
+endpoint = "http://127.0.0.1:{port}/rm"
+store = "{'store' if store else 'app'}"
+mode = "{mode}"
+
+[resources.app]
+url = "{app}"
+{store_resource}
+[recovery]
+interval = 2
+
+[limits]
+retransmit_interval = 0.3
+retransmit_interval_max = 2.0
+retry_backoff = 0.1
+retry_backoff_max = 1.0
+http_timeout = 5
+{limits}
+{channels}'''
+
+
+class NodeProcess:
+    """``qtp serve --app rm_app:node`` for one config; ``start``, ``kill`` (SIGKILL), ``stop`` (SIGTERM)."""
+
+    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None):
+        self.config = config
+        self.log = log
+        self.env = env or {}
+        self.proc: subprocess.Popen | None = None
+        self.port = int(next(line for line in config.read_text().splitlines()
+                             if line.startswith("endpoint")).rsplit(":", 1)[1].split("/")[0])
+
+    def start(self, timeout: float = 60.0) -> "NodeProcess":
+        env = dict(os.environ, PYTHONPATH=str(TESTS), QTP_TEST_CONFIG=str(self.config), **self.env)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "qtp", "serve", "--app", "rm_app:node"],
+                                         env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node {self.config.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if requests.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"node {self.config.name} did not start:\n{self.tail()}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def wait_until(condition, timeout: float, what: str, poll: float = 0.25) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def check_exactly_once(client_url: str, server_url: str, reply: bool, failed: set[int] = frozenset()) -> dict:
+    """Every committed order applied exactly once (except refused ones), nothing else applied, in order per
+    sequence; with replies: every applied order got exactly one reply, refused ones exactly one fault."""
+    committed = {k for (k,) in rows(client_url, "SELECT k FROM orders")}
+    applied = rows(server_url, "SELECT id, k, seq, num FROM applied ORDER BY id")
+    counts: dict[int, int] = {}
+    for _, k, _, _ in applied:
+        counts[k] = counts.get(k, 0) + 1
+    duplicated = sorted(k for k, n in counts.items() if n > 1)
+    lost = sorted(committed - set(counts) - set(failed))
+    unexpected = sorted(set(counts) - committed)
+    assert not duplicated, f"applied twice: {duplicated[:20]}"
+    assert not lost, f"committed but never applied: {lost[:20]}"
+    assert not unexpected, f"applied without a committed order: {unexpected[:20]}"
+    by_sequence: dict[str, list[int]] = {}
+    for _, k, seq, num in applied:
+        by_sequence.setdefault(seq, []).append(num)
+    for seq, numbers in by_sequence.items():
+        assert numbers == sorted(numbers), f"sequence {seq} applied out of order: {numbers[:20]}"
+    if reply:
+        answers = rows(client_url, "SELECT k, replies, faults FROM orders")
+        wrong = [(k, r, f) for k, r, f in answers
+                 if (k in failed and (r, f) != (0, 1)) or (k not in failed and (r, f) != (1, 0))]
+        assert not wrong, f"orders without exactly one reply (k, replies, faults): {wrong[:20]}"
+    return {"committed": len(committed), "applied": len(applied), "sequences": len(by_sequence)}

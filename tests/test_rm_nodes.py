@@ -1,0 +1,111 @@
+"""Two qtp nodes as separate OS processes over loopback HTTP: exactly once, in order, with replies.
+
+Each test starts a client node (sending orders from application transactions, some deliberately rolled
+back) and a server node (applying them in its own transactions), waits until everything committed was
+applied (and answered), and checks the tables: nothing lost, nothing applied twice, nothing applied that
+was rolled back, each sequence applied in order, exactly one reply per order.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rm_support import NodeProcess, Pair, check_exactly_once, client_schema, rows, server_schema, wait_until
+
+COMBINATIONS = [
+    # client app, server app, WS-RM, SOAP, request-reply, stores on the other database (2PC at both ends)
+    pytest.param("pg", "maria", "1.1", "1.2", True, False, id="pg-to-maria-rm11-soap12-reply-colocated"),
+    pytest.param("maria", "pg", "1.0", "1.1", True, False, id="maria-to-pg-rm10-soap11-reply-colocated"),
+    pytest.param("pg", "maria", "1.0", "1.2", False, True, id="pg-to-maria-rm10-soap12-oneway-2pc"),
+    pytest.param("maria", "pg", "1.1", "1.1", False, True, id="maria-to-pg-rm11-soap11-oneway-2pc"),
+    pytest.param("pg", "pg", "1.1", "1.2", True, True, id="pg-to-pg-rm11-soap12-reply-2pc"),
+]
+
+
+def _urls(request, kind: str, tag: str) -> str:
+    return request.getfixturevalue("pg_db" if kind == "pg" else "maria_db")(tag)
+
+
+def _other(kind: str) -> str:
+    return "maria" if kind == "pg" else "pg"
+
+
+@pytest.fixture
+def nodes(request, tmp_path):
+    """Factory: nodes(pair, send=N, ...) -> (client, server) NodeProcess, started; stopped at the end."""
+    started: list[NodeProcess] = []
+
+    def make(pair: Pair, send: int, abort_every: int = 7, fail: str = "") -> tuple[NodeProcess, NodeProcess]:
+        client_config, server_config = pair.write(tmp_path)
+        server = NodeProcess(server_config, tmp_path / "server.log", {"QTP_TEST_FAIL": fail})
+        client = NodeProcess(client_config, tmp_path / "client.log",
+                             {"QTP_TEST_SEND": str(send), "QTP_TEST_ABORT_EVERY": str(abort_every)})
+        started.extend([server, client])
+        return client, server.start()
+
+    yield make
+    for node in started:
+        node.kill()
+
+
+def _pair(request, client: str, server: str, other_store: bool, **kw) -> Pair:
+    client_app, server_app = _urls(request, client, "client"), _urls(request, server, "server")
+    client_schema(client_app)
+    server_schema(server_app)
+    stores = {}
+    if other_store:
+        stores = {"client_store": _urls(request, _other(client), "cstore"),
+                  "server_store": _urls(request, _other(server), "sstore")}
+    return Pair(client_app, server_app, **stores, **kw)
+
+
+def _expected(pair: Pair, count: int, abort_every: int) -> int:
+    return count - (count // abort_every if abort_every else 0)
+
+
+def _wait_delivered(pair: Pair, count: int, abort_every: int, timeout: float = 120, failed: int = 0) -> None:
+    expected = _expected(pair, count, abort_every)
+    wait_until(lambda: rows(pair.client_app, "SELECT COUNT(*) FROM orders")[0][0] == expected,
+               timeout, f"{expected} committed orders")
+    wait_until(lambda: rows(pair.server_app, "SELECT COUNT(*) FROM applied")[0][0] >= expected - failed,
+               timeout, f"{expected - failed} applied orders")
+    if pair.reply:
+        wait_until(lambda: rows(pair.client_app, "SELECT SUM(replies) + SUM(faults) FROM orders")[0][0] == expected,
+                   timeout, f"{expected} replies")
+
+
+@pytest.mark.parametrize("client,server,wsrm,soap,reply,other_store", COMBINATIONS)
+def test_two_nodes_apply_every_committed_message_once(request, nodes, client, server, wsrm, soap, reply,
+                                                      other_store):
+    pair = _pair(request, client, server, other_store, wsrm=wsrm, soap=soap, reply=reply)
+    sender, receiver = nodes(pair, send=30)
+    sender.start()
+    _wait_delivered(pair, 30, 7)
+    result = check_exactly_once(pair.client_app, pair.server_app, reply)
+    assert result["committed"] == 26 and result["applied"] == 26
+
+
+def test_sigkill_of_both_nodes_during_a_stream_loses_and_duplicates_nothing(request, nodes):
+    """xa mode, request-reply: the server node and the client node are each SIGKILLed twice mid-stream."""
+    pair = _pair(request, "pg", "maria", False, reply=True)
+    count = 120
+    client, server = nodes(pair, send=count, abort_every=11)
+    client.start()
+    for victim, at in ((server, 15), (client, 40), (server, 70), (client, 95)):
+        wait_until(lambda: rows(pair.server_app, "SELECT COUNT(*) FROM applied")[0][0] >= at, 120,
+                   f"{at} applied orders")
+        victim.kill()
+        victim.start()
+    _wait_delivered(pair, count, 11, timeout=180)
+    check_exactly_once(pair.client_app, pair.server_app, reply=True)
+
+
+def test_a_failing_handler_is_retried_then_dead_lettered_with_a_fault_back(request, nodes, tmp_path):
+    pair = _pair(request, "pg", "maria", False, reply=True, limits="max_attempts = 3")
+    client, server = nodes(pair, send=10, abort_every=0, fail="4,7")
+    client.start()
+    _wait_delivered(pair, 10, 0, failed=2)
+    check_exactly_once(pair.client_app, pair.server_app, reply=True, failed={4, 7})
+    letters = rows(pair.server_app, "SELECT number, error FROM qtp_rm_dead_letter ORDER BY number")
+    assert [n for n, _ in letters] == [4, 7]
+    assert all("refused by the test" in error for _, error in letters)
