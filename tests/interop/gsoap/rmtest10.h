@@ -1,0 +1,2 @@
+#import "wsrm5.h"
+#import "rmtest.h"

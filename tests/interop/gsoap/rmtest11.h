@@ -1,0 +1,2 @@
+#import "wsrm.h"
+#import "rmtest.h"
