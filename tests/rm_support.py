@@ -56,6 +56,7 @@ class Pair:
     wsrm: str = "1.1"
     soap: str = "1.2"
     reply: bool = False
+    acks_to: str = "anonymous"
     mode: str = "xa"
     limits: str = ""
     server_port: int = 0
@@ -77,6 +78,7 @@ mode = "{self.mode}"
 wsrm = "{self.wsrm}"
 soap = "{self.soap}"
 reply = {str(self.reply).lower()}
+acks_to = "{self.acks_to}"
 ''')
         server = _toml("server", self.server_app, self.server_store, self.server_port, self.mode, self.limits,
                        folder, "")

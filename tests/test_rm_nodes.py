@@ -13,12 +13,14 @@ import pytest
 from rm_support import NodeProcess, Pair, check_exactly_once, client_schema, rows, server_schema, wait_until
 
 COMBINATIONS = [
-    # client app, server app, WS-RM, SOAP, request-reply, stores on the other database (2PC at both ends)
-    pytest.param("pg", "maria", "1.1", "1.2", True, False, id="pg-to-maria-rm11-soap12-reply-colocated"),
-    pytest.param("maria", "pg", "1.0", "1.1", True, False, id="maria-to-pg-rm10-soap11-reply-colocated"),
-    pytest.param("pg", "maria", "1.0", "1.2", False, True, id="pg-to-maria-rm10-soap12-oneway-2pc"),
-    pytest.param("maria", "pg", "1.1", "1.1", False, True, id="maria-to-pg-rm11-soap11-oneway-2pc"),
-    pytest.param("pg", "pg", "1.1", "1.2", True, True, id="pg-to-pg-rm11-soap12-reply-2pc"),
+    # client app, server app, WS-RM, SOAP, request-reply, stores on the other database (2PC at both ends),
+    # where acknowledgements go (the HTTP response, or the client's endpoint)
+    pytest.param("pg", "maria", "1.1", "1.2", True, False, "anonymous", id="pg-to-maria-rm11-soap12-reply-colocated"),
+    pytest.param("maria", "pg", "1.0", "1.1", True, False, "anonymous", id="maria-to-pg-rm10-soap11-reply-colocated"),
+    pytest.param("pg", "maria", "1.0", "1.2", False, True, "anonymous", id="pg-to-maria-rm10-soap12-oneway-2pc"),
+    pytest.param("maria", "pg", "1.1", "1.1", False, True, "endpoint",
+                 id="maria-to-pg-rm11-soap11-oneway-2pc-acks-to-endpoint"),
+    pytest.param("pg", "pg", "1.1", "1.2", True, True, "anonymous", id="pg-to-pg-rm11-soap12-reply-2pc"),
 ]
 
 
@@ -74,10 +76,10 @@ def _wait_delivered(pair: Pair, count: int, abort_every: int, timeout: float = 1
                    timeout, f"{expected} replies")
 
 
-@pytest.mark.parametrize("client,server,wsrm,soap,reply,other_store", COMBINATIONS)
+@pytest.mark.parametrize("client,server,wsrm,soap,reply,other_store,acks_to", COMBINATIONS)
 def test_two_nodes_apply_every_committed_message_once(request, nodes, client, server, wsrm, soap, reply,
-                                                      other_store):
-    pair = _pair(request, client, server, other_store, wsrm=wsrm, soap=soap, reply=reply)
+                                                      other_store, acks_to):
+    pair = _pair(request, client, server, other_store, wsrm=wsrm, soap=soap, reply=reply, acks_to=acks_to)
     sender, receiver = nodes(pair, send=30)
     sender.start()
     _wait_delivered(pair, 30, 7)

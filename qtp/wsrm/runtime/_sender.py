@@ -378,7 +378,11 @@ class Sender:
             offer = None
             if a.offer_identifier is not None:
                 offer = Offer(a.offer_identifier, endpoint=self.node.endpoint if rm is RMVersion.WSRM11 else None)
-            body: Any = CreateSequence(anonymous(WsaVersion(info.wsa)), a.expires, offer)
+            channel = self.node.channels.get(info.route)
+            acks_to = anonymous(WsaVersion(info.wsa))
+            if channel is not None and channel.acks_to == "endpoint" and self.node.endpoint:
+                acks_to = self.node.endpoint
+            body: Any = CreateSequence(acks_to, a.expires, offer)
             message_id = create_message_id(key)
         elif isinstance(a, SendCloseSequence):
             body = CloseSequence(a.identifier, a.last_msg_number)

@@ -69,6 +69,7 @@ class ChannelSettings:
     soap: SoapVersion = SoapVersion.SOAP12
     wsa: WsaVersion = WsaVersion.WSA200508
     reply: bool = False
+    acks_to: str = "anonymous"     # anonymous: acknowledgements on the HTTP response; endpoint: to our endpoint
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def _enum(what: str, kind: type, value: Any) -> Any:
 
 def channel_settings(name: str, table: dict[str, Any], node_store: str | None) -> ChannelSettings:
     where = f"[channels.{name}]"
-    known = {"peer", "store", "mode", "wsrm", "soap", "addressing", "reply"}
+    known = {"peer", "store", "mode", "wsrm", "soap", "addressing", "reply", "acks_to"}
     if not isinstance(table, dict) or set(table) - known:
         raise ConfigurationError(f"{where} takes {', '.join(sorted(known))}; got {sorted(table)}")
     if "peer" not in table:
@@ -123,9 +124,13 @@ def channel_settings(name: str, table: dict[str, Any], node_store: str | None) -
     reply = table.get("reply", False)
     if not isinstance(reply, bool):
         raise ConfigurationError(f"{where} reply must be true or false")
+    acks_to = table.get("acks_to", "anonymous")
+    if acks_to not in ("anonymous", "endpoint"):
+        raise ConfigurationError(f"{where} acks_to must be \"anonymous\" (on the HTTP response) or \"endpoint\" "
+                                 "(sent to this node's endpoint)")
     return ChannelSettings(name=name, peer=_check_url(f"{where} peer", table["peer"]), store=store, mode=mode,
                            wsrm=wsrm, soap=_enum(f"{where} soap", SoapVersion, table.get("soap", "1.2")),
-                           wsa=wsa, reply=reply)
+                           wsa=wsa, reply=reply, acks_to=acks_to)
 
 
 def limits(table: dict[str, Any]) -> Limits:
@@ -172,6 +177,6 @@ def check(settings: NodeSettings) -> None:
         raise ConfigurationError("[node] store = \"RESOURCE\" is needed to receive messages in mode "
                                  f"{settings.mode!r} (or set [node] mode = \"memory\")")
     for channel in settings.channels.values():
-        if channel.reply and settings.endpoint is None:
-            raise ConfigurationError(f"[channels.{channel.name}] reply = true needs [node] endpoint: replies "
-                                     "come back to this node's own endpoint")
+        if (channel.reply or channel.acks_to == "endpoint") and settings.endpoint is None:
+            raise ConfigurationError(f"[channels.{channel.name}] reply = true and acks_to = \"endpoint\" need "
+                                     "[node] endpoint: replies and acknowledgements come back to it")
