@@ -155,6 +155,12 @@ class Invoker:
         for number in fresh:
             self.stored(REDELIVERY, number)
 
+    def pending(self, identifier: str) -> bool:
+        """Does sequence ``identifier`` still have messages to apply?"""
+        with self._mutex:
+            machine = self._machines.get(identifier)
+            return machine is not None and bool(ranges.difference(machine.record.stored, machine.record.delivered))
+
     def backlog(self) -> int:
         with self._mutex:
             return sum(ranges.count(ranges.difference(m.record.stored, m.record.delivered))

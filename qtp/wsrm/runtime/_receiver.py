@@ -269,14 +269,28 @@ class Receiver:
         return self.fault(env, SequenceFault(FaultCode.SEQUENCE_TERMINATED, identifier, str(exc)))
 
     def tick(self, now: float) -> None:
-        """Inactivity and expiry of inbound sequences."""
+        """Inactivity and expiry of inbound sequences; ended ones are forgotten after ``ended_retention``."""
+        retention = self.node.limits.ended_retention
         for identifier, machine in list(self._machines.items()):
-            at = machine.next_timer(machine.record)
+            record = machine.record
+            if record.state in (D.TERMINATED, D.FAILED):
+                if now - record.last_activity > retention and not self.node.invoker.pending(identifier):
+                    self._forget(identifier)
+                continue
+            at = machine.next_timer(record)
             if at is not None and at <= now:
                 self._event(_NO_ENVELOPE, identifier, TimerFired(now))
 
     def finished(self, identifier: str) -> None:
-        """Every message of an ended sequence was applied: forget it."""
+        """Every message of an ended sequence was applied: keep only its record, so that late messages still
+        get SequenceTerminated (not UnknownSequence) until ``ended_retention`` has passed."""
+        machine, info = self._machines.get(identifier), self._infos.get(identifier)
+        with self.store.local() as s:
+            self.store.drop_destination(s, identifier)
+            if machine is not None and info is not None:
+                self.store.save_destination(s, info, machine.record)
+
+    def _forget(self, identifier: str) -> None:
         with self.store.local() as s:
             self.store.drop_destination(s, identifier)
         with self._mutex:

@@ -36,6 +36,8 @@ class Limits:
     - ``http_timeout``: seconds to connect and to read a peer's answer.
     - ``sequence_max_messages``: a new outbound sequence starts after this many messages.
     - ``inactivity_timeout``: an inbound sequence silent this long is ended (seconds).
+    - ``ended_retention``: an ended inbound sequence is remembered this long (late messages get
+      SequenceTerminated rather than UnknownSequence), then forgotten.
     - ``sender_threads`` / ``invoker_threads`` / ``http_threads``: worker threads.
     """
 
@@ -52,6 +54,7 @@ class Limits:
     http_timeout: float = 10.0
     sequence_max_messages: int = MAX_MESSAGE_NUMBER
     inactivity_timeout: float = 24 * 3600.0
+    ended_retention: float = 3600.0
     sender_threads: int = 8
     invoker_threads: int = 4
     http_threads: int = 16
