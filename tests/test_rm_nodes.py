@@ -111,3 +111,22 @@ def test_a_failing_handler_is_retried_then_dead_lettered_with_a_fault_back(reque
     letters = rows(pair.server_app, "SELECT number, error FROM qtp_rm_dead_letter ORDER BY number")
     assert [n for n, _ in letters] == [4, 7]
     assert all("refused by the test" in error for _, error in letters)
+
+
+@pytest.mark.parametrize("mode", ["persistent", "memory"])
+def test_weaker_modes_deliver_exactly_once_when_nothing_crashes(request, nodes, mode):
+    """persistent and memory only differ from xa when a node dies between two commits (docs/messaging.md)."""
+    pair = _pair(request, "pg", "maria", False, reply=True, mode=mode)
+    client, _ = nodes(pair, send=20)
+    client.start()
+    _wait_delivered(pair, 20, 7)
+    check_exactly_once(pair.client_app, pair.server_app, reply=True)
+
+
+def test_sequences_roll_over_at_the_configured_size(request, nodes):
+    pair = _pair(request, "maria", "pg", False, wsrm="1.1", limits="sequence_max_messages = 7")
+    client, _ = nodes(pair, send=30, abort_every=0)
+    client.start()
+    _wait_delivered(pair, 30, 0)
+    result = check_exactly_once(pair.client_app, pair.server_app, reply=False)
+    assert result["sequences"] >= 5
