@@ -62,6 +62,7 @@ class Pair:
     server_port: int = 0
     client_port: int = 0
     proxy_port: int | None = None     # the client talks to this port (a lossy proxy) instead of the server
+    back_proxy_port: int | None = None  # the server reaches the client through this port (replies, acks)
 
     def __post_init__(self) -> None:
         self.server_port = self.server_port or free_port()
@@ -79,7 +80,7 @@ wsrm = "{self.wsrm}"
 soap = "{self.soap}"
 reply = {str(self.reply).lower()}
 acks_to = "{self.acks_to}"
-''')
+''', advertised=self.back_proxy_port)
         server = _toml("server", self.server_app, self.server_store, self.server_port, self.mode, self.limits,
                        folder, "")
         (folder / "client.toml").write_text(client)
@@ -88,13 +89,14 @@ acks_to = "{self.acks_to}"
 
 
 def _toml(role: str, app: str, store: str | None, port: int, mode: str, limits: str, folder: Path,
-          channels: str) -> str:
+          channels: str, advertised: int | None = None) -> str:
     store_resource = f'\n[resources.store]\nurl = "{store}"\n' if store else ""
     return f'''
 [node]
 id = "{role}-{folder.name[-20:].replace('_', '-')}"
 log_dir = "{folder / 'logs'}"
-endpoint = "http://127.0.0.1:{port}/rm"
+endpoint = "http://127.0.0.1:{advertised or port}/rm"
+listen = "127.0.0.1:{port}"
 store = "{'store' if store else 'app'}"
 mode = "{mode}"
 
@@ -123,7 +125,7 @@ class NodeProcess:
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
         self.port = int(next(line for line in config.read_text().splitlines()
-                             if line.startswith("endpoint")).rsplit(":", 1)[1].split("/")[0])
+                             if line.startswith("listen")).rsplit(":", 1)[1].strip('"'))
 
     def start(self, timeout: float = 60.0) -> "NodeProcess":
         env = dict(os.environ, PYTHONPATH=str(TESTS), QTP_TEST_CONFIG=str(self.config), **self.env)

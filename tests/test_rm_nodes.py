@@ -130,3 +130,26 @@ def test_sequences_roll_over_at_the_configured_size(request, nodes):
     _wait_delivered(pair, 30, 0)
     result = check_exactly_once(pair.client_app, pair.server_app, reply=False)
     assert result["sequences"] >= 5
+
+
+def test_a_lossy_network_in_both_directions_changes_nothing(request, nodes):
+    """Requests and responses dropped, duplicated and delayed (reordered) between the nodes, both ways."""
+    from qtp.embedded import free_port
+    from qtp.testing.lossy_proxy import LossyProxy
+
+    faults = dict(drop_request=0.1, drop_response=0.1, duplicate_request=0.1, delay=0.3, delay_max_ms=80)
+    pair = _pair(request, "pg", "maria", False, reply=True, proxy_port=free_port(), back_proxy_port=free_port())
+    to_server = LossyProxy(f"http://127.0.0.1:{pair.server_port}", port=pair.proxy_port, seed=1, **faults).start()
+    to_client = LossyProxy(f"http://127.0.0.1:{pair.client_port}", port=pair.back_proxy_port, seed=2,
+                           **faults).start()
+    try:
+        client, _ = nodes(pair, send=60)
+        client.start()
+        _wait_delivered(pair, 60, 7, timeout=180)
+        check_exactly_once(pair.client_app, pair.server_app, reply=True)
+        for proxy in (to_server, to_client):
+            seen = proxy.stats()
+            assert seen["dropped_requests"] and seen["dropped_responses"] and seen["duplicated"], seen
+    finally:
+        to_server.stop()
+        to_client.stop()
