@@ -8,6 +8,10 @@ was rolled back, each sequence applied in order, exactly one reply per order.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from rm_support import NodeProcess, Pair, check_exactly_once, client_schema, rows, server_schema, wait_until
@@ -111,6 +115,23 @@ def test_a_failing_handler_is_retried_then_dead_lettered_with_a_fault_back(reque
     letters = rows(pair.server_app, "SELECT number, error FROM qtp_rm_dead_letter ORDER BY number")
     assert [n for n, _ in letters] == [4, 7]
     assert all("refused by the test" in error for _, error in letters)
+    server_config = tmp_path / "server.toml"
+    listed = json.loads(_qtp("dead-letters", "list", "--json", "--config", server_config))
+    assert [(x["number"], x["attempts"]) for x in listed] == [(4, 3), (7, 3)]
+    assert "refused by the test" in listed[0]["error"] and 'k="4"' in listed[0]["payload"]
+    _qtp("dead-letters", "drop", str(listed[1]["id"]), "--config", server_config)
+    _qtp("dead-letters", "retry", str(listed[0]["id"]), "--config", server_config)  # it fails again: dead again
+    wait_until(lambda: [n for (n,) in rows(pair.server_app, "SELECT number FROM qtp_rm_dead_letter")] == [listed[0]["id"]],
+               60, "the retried letter to fail again")
+    status = json.loads(_qtp("status", "--json", "--config", server_config))
+    kinds = {(q["direction"], q["state"]) for q in status["messaging"]["sequences"]}
+    assert ("in", "ACTIVE") in kinds and status["messaging"]["dead_letters"] == 1
+
+
+def _qtp(*args) -> str:
+    done = subprocess.run([sys.executable, "-m", "qtp", *map(str, args)], capture_output=True, text=True, timeout=60)
+    assert done.returncode in (0, 1), done.stderr
+    return done.stdout
 
 
 @pytest.mark.parametrize("mode", ["persistent", "memory"])

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from qtp.errors import QtpError
 from qtp.wsrm.codec import Addressing, Envelope, InvalidMessage, SoapFault, SoapVersion, WsaVersion, decode, encode
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION
@@ -84,7 +86,7 @@ class Endpoint:
             return self._respond(start_response, _bare_fault(envelope.soap, "Receiver", "the node is starting"), 503)
         try:
             answer = self.node.receiver.handle(envelope)
-        except QtpError as exc:  # the store is unreachable: nothing was stored, nothing acknowledged
+        except (QtpError, SQLAlchemyError) as exc:  # the store is unreachable: nothing acknowledged
             log.warning("could not take a message now: %s", exc)
             fault = _bare_fault(envelope.soap, "Receiver", f"the node cannot take messages now: {exc}")
             return self._respond(start_response, fault, 503)

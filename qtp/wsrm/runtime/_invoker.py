@@ -319,7 +319,7 @@ class Invoker:
         attempts = message.attempts + 1
         now = time.time()
         if attempts >= limits.max_attempts:
-            self._dead_letter(message, error, now)
+            self._dead_letter(replace(message, attempts=attempts, last_error=error), error, now)
             return
         delay = min(limits.retry_backoff * 2 ** (attempts - 1), limits.retry_backoff_max)
         log.warning("handler failed for %s #%d (attempt %d of %d, next in %.1f s): %s", message.identifier,

@@ -37,6 +37,7 @@ from qtp.wsrm.protocol import (
     DestinationState,
     FaultCode,
     FaultReceived,
+    IncompleteSequenceBehavior,
     MessageReceived,
     ProtocolError,
     RMVersion,
@@ -316,7 +317,9 @@ class Receiver:
                 accept = None
                 if a.accepted_offer is not None:
                     accept = self.node.endpoint or anonymous(env.wsa or WsaVersion.WSA200508)
-                body = CreateSequenceResponse(a.identifier, a.expires, accept_acks_to=accept)
+                behavior = IncompleteSequenceBehavior.NO_DISCARD if env.rm is RMVersion.WSRM11 else None
+                body = CreateSequenceResponse(a.identifier, a.expires, incomplete_behavior=behavior,
+                                              accept_acks_to=accept)
             elif isinstance(a, SendCloseSequenceResponse):
                 body = CloseSequenceResponse(a.identifier)
             elif isinstance(a, SendTerminateSequenceResponse):

@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from qtp.errors import QtpError
 from qtp.wsrm.codec import (
     Addressing,
@@ -166,7 +168,7 @@ class Sender:
             for route in [*self.node.channels, *self._offer_routes]:
                 try:
                     self._fill(route, now)
-                except QtpError as exc:
+                except (QtpError, SQLAlchemyError) as exc:
                     log.warning("route %s: cannot take new messages now: %s", route, exc)
         due: list[float] = []
         for key in list(self._machines):
@@ -175,7 +177,12 @@ class Sender:
                 continue
             at = machine.next_timer(machine.record)
             if at is not None and at <= now:
-                self.event(key, TimerFired(now))
+                try:
+                    self.event(key, TimerFired(now))
+                except (QtpError, SQLAlchemyError) as exc:  # the store is down: try again at the next tick
+                    log.warning("sequence %s: timer not handled now: %s", key, exc)
+                    due.append(now + 1.0)
+                    continue
                 machine = self._machines.get(key)
                 at = machine.next_timer(machine.record) if machine is not None else None
             if at is not None:
@@ -356,7 +363,7 @@ class Sender:
             message = found[0] if found else None
         if message is None and not t.last_message:
             return  # acknowledged meanwhile
-        acks = (AckRequested(t.identifier),) if t.ack_requested else ()
+        acks = (self._ack_request(machine.record, t.identifier),) if t.ack_requested else ()
         sequence = Sequence(t.identifier, t.number, last_message=t.last_message)
         if message is None:
             envelope = self._envelope(info, key=key, sequence=sequence, ack_requests=acks,
@@ -391,13 +398,21 @@ class Sender:
         elif isinstance(a, SendFault):
             body = a.fault
         else:
-            envelope = self._envelope(info, key=key, ack_requests=(AckRequested(a.identifier),),
+            request = self._ack_request(machine.record, a.identifier) if machine is not None else AckRequested(a.identifier)
+            envelope = self._envelope(info, key=key, ack_requests=(request,),
                                       addressing=self._addressing(info, action(rm, "AckRequested")))
             self._exchange(key, info, envelope)
             return
         envelope = self._envelope(info, key=key, body=body, addressing=self._addressing(info, "", message_id))
         envelope = replace(envelope, addressing=replace(envelope.addressing, action=default_action(envelope)))
         self._exchange(key, info, envelope)
+
+    @staticmethod
+    def _ack_request(record: SourceRecord, identifier: str) -> AckRequested:
+        """WS-RM 1.0 tells the destination the highest number used, so it can see what it is missing."""
+        if record.version is RMVersion.WSRM10 and record.next_number > 1:
+            return AckRequested(identifier, max_message_number_used=record.next_number - 1)
+        return AckRequested(identifier)
 
     def _exchange(self, key: str, info: SourceInfo, envelope: Envelope) -> None:
         try:
