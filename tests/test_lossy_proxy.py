@@ -1,108 +1,264 @@
-"""The lossy proxy does what it is told: forwards faithfully, drops, duplicates, delays, stays on loopback."""
+"""The lossy proxy does what it is told: forwards faithfully, loses, duplicates, delays, reorders, stays bounded
+and on loopback. Against a real HTTP echo server; waits are on counts with generous bounds, never on timing."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
 
-from qtp.testing.lossy_proxy import LossyProxy
+from qtp.errors import ConfigurationError
+from qtp.testing.lossy_proxy import COUNTERS, DEFAULT_MAX_BODY, LossyProxy
+
+SOAP = {"Content-Type": "text/xml; charset=utf-8", "SOAPAction": '"urn:qtp:test"'}
 
 
-@pytest.fixture
-def echo():
-    """A loopback HTTP server that echoes the body and records each request body it saw."""
-    seen: list[bytes] = []
+@dataclass
+class Arrival:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
 
-    class Echo(BaseHTTPRequestHandler):
+
+@dataclass
+class Echo:
+    """A loopback server that echoes each request and records what arrived, in arrival order."""
+
+    url: str = ""
+    arrivals: list[Arrival] = field(default_factory=list)
+    release: threading.Event = field(default_factory=threading.Event)   # lets requests to /slow finish
+
+    def bodies(self) -> list[bytes]:
+        return [arrival.body for arrival in list(self.arrivals)]
+
+
+def _echo_handler(echo: Echo) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(self, *args):
+        def log_message(self, *args: object) -> None:
             pass
 
-        def do_POST(self):
+        def _any(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            seen.append(body)
-            self.send_response(200)
+            echo.arrivals.append(Arrival(self.command, self.path, dict(self.headers.items()), body))
+            if self.path.startswith("/slow"):
+                echo.release.wait(30)
+            self.send_response(int(self.headers.get("X-Reply-Status", "200")))
             self.send_header("Content-Type", self.headers.get("Content-Type", "text/plain"))
             self.send_header("X-Action", self.headers.get("SOAPAction", ""))
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Echo)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+        do_GET = do_POST = do_PUT = _any
+
+    return Handler
+
+
+class _EchoServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+
+@pytest.fixture
+def echo() -> Iterator[Echo]:
+    echo = Echo()
+    server = _EchoServer(("127.0.0.1", 0), _echo_handler(echo))
+    echo.url = f"http://127.0.0.1:{server.server_address[1]}"
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield echo
+    echo.release.set()
     server.shutdown()
+    server.server_close()
 
 
-def test_without_faults_everything_passes_unchanged(echo):
-    target, seen = echo
-    with LossyProxy(target) as proxy:
-        r = requests.post(proxy.url + "/rm", data=b"<a/>", timeout=5,
-                          headers={"Content-Type": "text/xml; charset=utf-8", "SOAPAction": '"urn:x"'})
-        assert (r.status_code, r.content, r.headers["Content-Type"], r.headers["X-Action"]) == \
-            (200, b"<a/>", "text/xml; charset=utf-8", '"urn:x"')
-        assert seen == [b"<a/>"] and proxy.stats()["forwarded"] == 1
+def _wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.001)
 
 
-def test_dropped_requests_never_arrive_and_dropped_responses_did(echo):
-    target, seen = echo
-    with LossyProxy(target, drop_request=1.0) as proxy:
+def _post(url: str, body: bytes, **kwargs: object) -> requests.Response:
+    return requests.post(url, data=body, timeout=30, **kwargs)
+
+
+def test_without_faults_everything_passes_unchanged(echo: Echo) -> None:
+    with LossyProxy(echo.url) as proxy:
+        headers = {**SOAP, "X-Custom": "kept", "Proxy-Authorization": "hop", "X-Reply-Status": "202"}
+        reply = requests.put(proxy.url + "/rm/in?a=1&b=two", data=b"<a/>", headers=headers, timeout=30)
+        chunked = _post(proxy.url + "/rm", iter([b"<b", b"/>"]), headers=SOAP)
+        fetched = requests.get(proxy.url + "/status?q=1", timeout=30)
+        assert proxy.stats()["forwarded"] == 3
+    assert (reply.status_code, reply.content, reply.headers["Content-Type"], reply.headers["X-Action"]) == \
+        (202, b"<a/>", SOAP["Content-Type"], SOAP["SOAPAction"])
+    assert (chunked.status_code, chunked.content, fetched.status_code) == (200, b"<b/>", 200)
+    put, post, get = echo.arrivals
+    assert (put.method, put.path, put.body) == ("PUT", "/rm/in?a=1&b=two", b"<a/>")
+    assert {key: put.headers.get(key) for key in ("Content-Type", "SOAPAction", "X-Custom", "Host")} == \
+        {**SOAP, "X-Custom": "kept", "Host": echo.url.removeprefix("http://")}
+    assert "Proxy-Authorization" not in put.headers
+    assert (post.body, post.headers["Content-Length"]) == (b"<b/>", "4")
+    assert (get.method, get.path, get.body) == ("GET", "/status?q=1", b"")
+
+
+def test_a_dropped_request_never_arrives_and_the_client_sees_a_closed_connection(echo: Echo) -> None:
+    with LossyProxy(echo.url, drop_request=1.0) as proxy:
+        for body in (b"<a/>", b"<b/>"):
+            with pytest.raises(requests.ConnectionError):
+                _post(proxy.url + "/rm", body, headers=SOAP)
+        counts = proxy.stats()
+    assert echo.arrivals == []
+    assert (counts["requests"], counts["dropped_requests"], counts["forwarded"]) == (2, 2, 0)
+
+
+def test_a_dropped_response_was_processed_but_the_client_sees_a_closed_connection(echo: Echo) -> None:
+    with LossyProxy(echo.url, drop_response=1.0) as proxy:
         with pytest.raises(requests.ConnectionError):
-            requests.post(proxy.url, data=b"<a/>", timeout=5)
-        assert seen == []
-    with LossyProxy(target, drop_response=1.0) as proxy:
+            _post(proxy.url + "/rm", b"<a/>", headers=SOAP)
+        counts = proxy.stats()
+    assert echo.bodies() == [b"<a/>"]
+    assert (counts["forwarded"], counts["dropped_responses"]) == (1, 1)
+
+
+def test_a_duplicated_request_arrives_twice_and_the_client_gets_one_answer(echo: Echo) -> None:
+    bodies = [f"<m{i}/>".encode() for i in range(6)]
+    with LossyProxy(echo.url, duplicate_request=1.0, seed=4) as proxy:
+        answers = [_post(proxy.url + "/rm", body, headers=SOAP).content for body in bodies]
+        counts = proxy.stats()
+    assert answers == bodies
+    assert sorted(echo.bodies()) == sorted(bodies * 2)
+    assert (counts["duplicated"], counts["forwarded"]) == (6, 12)
+
+
+@pytest.mark.parametrize("faults, counter, per_request", [
+    (dict(reorder=1.0, reorder_max_ms=500), "reordered", 1),
+    (dict(delay_ms=(0, 500)), "delayed", 2),
+], ids=["reorder", "delay"])
+def test_requests_held_for_random_times_arrive_out_of_order(echo: Echo, faults: dict, counter: str,
+                                                            per_request: int) -> None:
+    """Each request is sent once the proxy has the previous one, so the proxy receives them in order."""
+    count = 20
+    with LossyProxy(echo.url, seed=5, **faults) as proxy:
+        senders = []
+        for i in range(count):
+            senders.append(threading.Thread(target=_post, args=(proxy.url + "/rm", str(i).encode())))
+            senders[-1].start()
+            _wait_for(lambda: proxy.stats()["requests"] > i)
+        for sender in senders:
+            sender.join(60)
+        _wait_for(lambda: proxy.stats()[counter] == per_request * count)
+    arrived = [int(body) for body in echo.bodies()]
+    assert sorted(arrived) == list(range(count))
+    assert arrived != sorted(arrived), "held-back requests should have been overtaken"
+
+
+def test_an_oversized_body_gets_413_and_is_not_forwarded(echo: Echo) -> None:
+    assert LossyProxy(echo.url).max_body == DEFAULT_MAX_BODY == 16 * 1024 * 1024
+    with LossyProxy(echo.url, max_body=10) as proxy:
+        assert _post(proxy.url + "/rm", b"x" * 100).status_code == 413
+        assert _post(proxy.url + "/rm", iter([b"x" * 8, b"x" * 8])).status_code == 413
+        assert _post(proxy.url + "/rm", b"x" * 10).status_code == 200
+        counts = proxy.stats()
+    assert echo.bodies() == [b"x" * 10]
+    assert (counts["rejected"], counts["requests"]) == (2, 1)
+
+
+@pytest.mark.parametrize("target, bind", [
+    ("http://192.0.2.1:8000", "127.0.0.1"),
+    ("http://example.com/rm", "127.0.0.1"),
+    ("https://127.0.0.1:8000", "127.0.0.1"),
+    ("http://127.0.0.1:8000", "0.0.0.0"),
+    ("http://127.0.0.1:8000", "192.0.2.1"),
+])
+def test_only_loopback_is_accepted(target: str, bind: str) -> None:
+    with pytest.raises(ConfigurationError, match="loopback only|127.0.0.1 only"):
+        LossyProxy(target, host=bind)
+
+
+def test_a_slow_target_times_out_and_the_client_connection_is_closed(echo: Echo) -> None:
+    with LossyProxy(echo.url, timeout=0.5) as proxy:
         with pytest.raises(requests.ConnectionError):
-            requests.post(proxy.url, data=b"<b/>", timeout=5)
-        assert seen == [b"<b/>"]
+            _post(proxy.url + "/slow", b"<a/>")
+        echo.release.set()
+        counts = proxy.stats()
+    assert echo.bodies() == [b"<a/>"]
+    assert (counts["errors"], counts["forwarded"]) == (1, 0)
 
 
-def test_duplicated_requests_arrive_twice_and_faults_change_at_run_time(echo):
-    target, seen = echo
-    with LossyProxy(target, duplicate_request=1.0) as proxy:
-        assert requests.post(proxy.url, data=b"<c/>", timeout=5).content == b"<c/>"
-        assert seen == [b"<c/>", b"<c/>"]
-        assert requests.post(proxy.url + "/__proxy__/faults", json={"duplicate_request": 0}, timeout=5).ok
-        requests.post(proxy.url, data=b"<d/>", timeout=5)
-        assert seen[2:] == [b"<d/>"]
-        assert requests.get(proxy.url + "/__proxy__/stats", timeout=5).json()["duplicated"] == 1
+def test_connections_beyond_the_limit_wait_for_a_free_one(echo: Echo) -> None:
+    with LossyProxy(echo.url, max_connections=2) as proxy:
+        holders = [socket.create_connection(("127.0.0.1", proxy.port)) for _ in range(2)]
+        answers: list[int] = []
+        clients = [threading.Thread(target=lambda: answers.append(_post(proxy.url + "/rm", b"<a/>").status_code))
+                   for _ in range(40)]
+        for client in clients:
+            client.start()
+        clients[0].join(0.5)
+        assert clients[0].is_alive() and echo.arrivals == []    # whatever the timing: both slots are taken
+        for holder in holders:
+            holder.close()
+        for client in clients:
+            client.join(60)
+    assert answers == [200] * 40
 
 
-def test_delays_reorder_concurrent_requests(echo):
-    target, seen = echo
-    with LossyProxy(target, delay=0.5, delay_max_ms=100, seed=3) as proxy:
-        threads = [threading.Thread(target=requests.post, args=(proxy.url,), kwargs={"data": str(i).encode()})
-                   for i in range(30)]
-        for t in threads:
-            t.start()
-            t.join(0.005)
-        for t in threads:
-            t.join()
-    assert sorted(seen, key=int) == [str(i).encode() for i in range(30)]
-    assert seen != sorted(seen, key=int)
+def test_stopping_closes_idle_connections_too(echo: Echo) -> None:
+    with requests.Session() as session:
+        with LossyProxy(echo.url) as proxy:
+            assert session.post(proxy.url + "/rm", data=b"<a/>", timeout=30).ok    # the session keeps it open
+        with pytest.raises(requests.ConnectionError):
+            session.post(proxy.url + "/rm", data=b"<b/>", timeout=30)
+    assert echo.bodies() == [b"<a/>"]
 
 
-def test_bounds_and_loopback_only(echo):
-    target, _ = echo
-    with pytest.raises(ValueError, match="loopback"):
-        LossyProxy("http://example.com:80")
-    with LossyProxy(target, max_body=10) as proxy:
-        assert requests.post(proxy.url, data=b"x" * 100, timeout=5).status_code == 413
+def test_stats_and_faults_over_the_control_paths(echo: Echo) -> None:
+    with LossyProxy(echo.url) as proxy:
+        control = proxy.url + "/__proxy__/"
+        assert requests.get(control + "stats", timeout=30).json() == dict.fromkeys(COUNTERS, 0)
+        changed = requests.post(control + "faults", json={"drop_request": 1, "delay_ms": [0, 1]}, timeout=30)
+        assert (changed.status_code, changed.json()["drop_request"], changed.json()["delay_ms"]) == (200, 1.0, [0, 1])
+        with pytest.raises(requests.ConnectionError):
+            _post(proxy.url + "/rm", b"<lost/>")
+        assert requests.post(control + "faults", json={"drop_request": 0}, timeout=30).ok
+        assert _post(proxy.url + "/rm", b"<kept/>").content == b"<kept/>"
+        for bad in ({"bogus": 1}, {"drop_request": 2}, {"delay_ms": [5, 1]}, [1]):
+            assert requests.post(control + "faults", json=bad, timeout=30).status_code == 400
+        assert requests.get(control + "nothing", timeout=30).status_code == 404
+        assert requests.get(control + "faults", timeout=30).json() == {**proxy.faults(), "delay_ms": [0, 1]}
+        counts = requests.get(control + "stats", timeout=30).json()
+        assert counts == proxy.stats()
+        proxy.set_faults(duplicate_request=1)
+        _post(proxy.url + "/rm", b"<twice/>")
+        with pytest.raises(ConfigurationError, match="unknown faults"):
+            proxy.set_faults(lose_everything=1)
+    assert echo.bodies() == [b"<kept/>", b"<twice/>", b"<twice/>"]
+    assert {k: counts[k] for k in ("requests", "dropped_requests", "forwarded")} == \
+        {"requests": 2, "dropped_requests": 1, "forwarded": 1}
 
 
-def test_command_line_prints_its_url_and_forwards(echo):
-    target, seen = echo
-    proc = subprocess.Popen([sys.executable, "-m", "qtp.testing.lossy_proxy", "--target", target],
-                            stdout=subprocess.PIPE, text=True)
+def test_the_command_line_prints_its_url_and_forwards(echo: Echo) -> None:
+    command = [sys.executable, "-m", "qtp.testing.lossy_proxy", "--target", echo.url, "--duplicate-request", "1",
+               "--delay-ms", "0", "5", "--seed", "9"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().strip()
-        assert requests.post(url, data=b"<e/>", timeout=5).content == b"<e/>"
+        assert url.startswith("http://127.0.0.1:")
+        assert _post(url + "/rm", b"<e/>", headers=SOAP).content == b"<e/>"
+        assert requests.get(url + "/__proxy__/stats", timeout=30).json()["duplicated"] == 1
     finally:
         proc.terminate()
-        proc.wait(10)
-    assert seen == [b"<e/>"]
+        assert proc.wait(30) == 0
+    assert echo.bodies() == [b"<e/>", b"<e/>"]
+    refused = subprocess.run([*command[:5], "--host", "0.0.0.0"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "127.0.0.1 only" in refused.stderr

@@ -1,1 +1,1 @@
-"""Tools for tests and crash campaigns (a lossy HTTP proxy); applications do not need them."""
+"""Tools for tests and crash campaigns (such as a lossy HTTP proxy); applications do not need them."""

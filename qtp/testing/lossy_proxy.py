@@ -1,18 +1,50 @@
-"""A lossy HTTP proxy for tests and crash campaigns: loopback only, bounded, seeded.
+"""A lossy HTTP proxy between two qtp nodes, for tests and crash campaigns.
 
-It sits between two nodes and forwards every request to one target, while, with the probabilities it is
-given, it
+Two qtp nodes send each other WS-RM messages as HTTP POSTs over loopback. Loopback loses nothing, so the
+code that makes messaging reliable (retransmission, acknowledgement ranges, duplicate detection, delivery in
+order) would never be exercised. The proxy stands between the nodes, forwards everything to one target, and
+does to each exchange what a real network and real peers do. Every fault has its own probability and is
+drawn on its own for every exchange, so any combination can happen to one message:
 
-- drops a request (the target never sees it; the client's connection is closed without an answer),
-- drops a response (the target processed the request; the client gets no answer),
-- duplicates a request (the target sees it twice; the client gets one answer),
-- delays requests and responses by a random time, which also reorders concurrent requests.
+``drop_request``
+    The request dies on the way: lost packets whose retransmissions failed too, a peer that crashed before
+    reading it, a middlebox that reset the connection. The target never sees it.
+``drop_response``
+    The target received and processed the request, but the answer dies on the way back: the connection
+    broke after the peer committed, or the peer crashed between committing and replying. The sender cannot
+    tell this from a dropped request, and it is the case that makes duplicates unavoidable.
+``duplicate_request``
+    The target gets the request twice, the copies one after the other or both at once: somebody on the path
+    retransmitted because the answer was slow, and both copies arrived. The client gets one of the answers.
+``delay`` / ``delay_ms``
+    Queueing and scheduling jitter: the request and, separately, the response wait a random time within
+    ``delay_ms``. Concurrent exchanges then reach the target in another order than they were sent in.
+``reorder`` / ``reorder_max_ms``
+    One request is held back much longer than its neighbours (a retransmission after a timeout, a changed
+    route), so requests sent after it overtake it.
 
-To an HTTP client a lost message looks like a connection closed without a response (or a timeout): it
-cannot know whether the request reached the peer. That is exactly the uncertainty WS-RM resolves with
-retransmission and duplicate detection, so it is what the proxy produces. ``GET /__proxy__/stats`` gives
-the counters and ``POST /__proxy__/faults`` (JSON) changes the probabilities at run time (e.g. to let
-everything drain at the end of a test).
+Why a lost message is a closed connection: HTTP cannot say "your request was lost". A client that wrote its
+request and then sees the connection end without a status line (or sees nothing until its own timeout)
+cannot know whether the peer got the request, acted on it, or both and only the answer was lost. So for
+both drops the proxy closes the client's connection without sending a byte, which is what loss looks like
+to an HTTP client. A ``502`` would be wrong: it is an answer, and it tells the client something a lossy
+network never would. WS-RM resolves the doubt by retransmitting and by the receiver discarding duplicates;
+the proxy is there to show that it does.
+
+Everything else is forwarded faithfully: method, path and query, headers except the hop-by-hop ones, body;
+the target's status, headers and body come back unchanged. The proxy listens on 127.0.0.1 and forwards to
+loopback only (a tool that loses messages on purpose must not be reachable from a network), it is bounded
+(request body size, connections at once, time per forwarded request), and it is seeded: one
+``random.Random`` makes every draw, so a run with one client thread repeats exactly and a concurrent run
+repeats as far as thread scheduling allows.
+
+Control paths, answered by the proxy and never forwarded::
+
+    GET  /__proxy__/stats    the counters (JSON object)
+    GET  /__proxy__/faults   the current faults
+    POST /__proxy__/faults   change some faults, e.g. {"drop_request": 0} to let everything drain
+
+Command line (prints its URL on the first line of stdout, runs until SIGTERM or SIGINT)::
 
     python -m qtp.testing.lossy_proxy --target http://127.0.0.1:8002 --drop-request 0.1 --seed 7
 """
@@ -20,212 +52,528 @@ everything drain at the end of a test).
 from __future__ import annotations
 
 import argparse
+import http.client
+import ipaddress
 import json
 import random
 import signal
+import socket
 import sys
 import threading
-import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-import requests
+from qtp.errors import ConfigurationError
 
-_HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-               "transfer-encoding", "upgrade", "host", "content-length"}
-_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+BIND_HOST = "127.0.0.1"
+DEFAULT_MAX_BODY = 16 * 1024 * 1024
+CONTROL_PREFIX = "/__proxy__/"
+STATS_PATH = CONTROL_PREFIX + "stats"
+FAULTS_PATH = CONTROL_PREFIX + "faults"
+
+#: requests: client requests seen (control paths and refused ones excluded); forwarded: copies the target
+#: answered; duplicated: requests sent twice; delayed: directions delayed (two per exchange at most);
+#: reordered: requests held back; rejected: answered 400/413 by the proxy; errors: target failed or timed out.
+COUNTERS = ("requests", "forwarded", "dropped_requests", "dropped_responses", "duplicated", "delayed",
+            "reordered", "rejected", "errors")
+
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
+                         "proxy-authorization", "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
+_REWRITTEN = frozenset({"host", "content-length", "expect"})  # the proxy frames each hop itself
+_PROBABILITIES = ("drop_request", "drop_response", "duplicate_request", "delay", "reorder")
+_NO_BODY_STATUS = frozenset({204, 304})
 
 
-@dataclass
+@dataclass(frozen=True)
 class Faults:
+    """What the proxy does to each exchange: probabilities in [0, 1] and times in milliseconds.
+
+    ``delay`` is the probability that one direction of an exchange waits ``uniform(*delay_ms)``; it is 1 by
+    default, so ``delay_ms`` alone delays every request and every response.
+    """
+
     drop_request: float = 0.0
     drop_response: float = 0.0
     duplicate_request: float = 0.0
-    delay: float = 0.0           # probability that a request (and its response) is delayed
-    delay_max_ms: float = 0.0
+    delay: float = 1.0
+    delay_ms: tuple[float, float] = (0.0, 0.0)
+    reorder: float = 0.0
+    reorder_max_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in _PROBABILITIES:
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigurationError(f"{name} is a probability between 0 and 1, not {value!r}")
+        low, high = self.delay_ms
+        if not 0.0 <= low <= high:
+            raise ConfigurationError(f"delay_ms is (min, max) with 0 <= min <= max, not {self.delay_ms!r}")
+        if self.reorder_max_ms < 0:
+            raise ConfigurationError(f"reorder_max_ms must be 0 or more, not {self.reorder_max_ms!r}")
+
+    def changed(self, changes: dict[str, Any]) -> Faults:
+        """A copy with ``changes`` applied; unknown names and bad values raise ConfigurationError."""
+        known = [f.name for f in fields(self)]
+        unknown = sorted(set(changes) - set(known))
+        if unknown:
+            raise ConfigurationError(f"unknown faults {unknown}; the faults are {known}")
+        return replace(self, **{name: _coerce(name, value) for name, value in changes.items()})
+
+
+def _coerce(name: str, value: Any) -> Any:
+    try:
+        if name == "delay_ms":
+            low, high = value
+            return (float(low), float(high))
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        wanted = "a pair of numbers [min, max]" if name == "delay_ms" else "a number"
+        raise ConfigurationError(f"{name} = {value!r}; it must be {wanted}") from exc
+
+
+@dataclass(frozen=True)
+class _Request:
+    method: str
+    target: str                         # path and query, as the client sent them
+    headers: list[tuple[str, str]]      # end-to-end headers only
+    body: bytes
+
+
+@dataclass(frozen=True)
+class _Response:
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+class _TooLarge(Exception):
+    """The target's response body is over the proxy's limit."""
+
+
+def _end_to_end(headers: list[tuple[str, str]], rewritten: frozenset[str] = _REWRITTEN) -> list[tuple[str, str]]:
+    """The headers without hop-by-hop ones (including those the Connection header names) and ``rewritten``."""
+    named = {token.strip().lower() for key, value in headers if key.lower() == "connection"
+             for token in value.split(",")}
+    dropped = _HOP_BY_HOP | rewritten | named
+    return [(key, value) for key, value in headers if key.lower() not in dropped]
+
+
+def _is_loopback(host: str | None) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class _Target:
+    host: str
+    port: int
+    netloc: str
+    prefix: str
+
+    @classmethod
+    def parse(cls, url: str) -> _Target:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not _is_loopback(parts.hostname):
+            raise ConfigurationError(f"the lossy proxy forwards to http:// on loopback only (127.0.0.1, ::1, "
+                                     f"localhost), not {url!r}")
+        return cls(parts.hostname or "", parts.port or 80, parts.netloc, parts.path.rstrip("/"))
+
+    def send(self, request: _Request, timeout: float, max_body: int) -> _Response:
+        """One exchange with the target on a fresh connection; ``timeout`` bounds each socket operation."""
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            connection.putrequest(request.method, self.prefix + request.target, skip_host=True,
+                                  skip_accept_encoding=True)
+            connection.putheader("Host", self.netloc)
+            for key, value in request.headers:
+                connection.putheader(key, value)
+            if request.body or request.method in ("POST", "PUT", "PATCH"):
+                connection.putheader("Content-Length", str(len(request.body)))
+            connection.endheaders(request.body or None)
+            return _read_response(connection.getresponse(), request.method, max_body)
+        finally:
+            connection.close()
+
+
+def _read_response(reply: http.client.HTTPResponse, method: str, max_body: int) -> _Response:
+    body = reply.read(max_body + 1)
+    if len(body) > max_body:
+        raise _TooLarge(f"response body over {max_body} bytes")
+    keep_length = frozenset() if method == "HEAD" else frozenset({"content-length"})
+    return _Response(reply.status, reply.reason, _end_to_end(reply.getheaders(), keep_length), body)
 
 
 class LossyProxy:
-    """``LossyProxy(target, **faults).start()``; ``.url``; ``.stats()``; ``.set_faults(**faults)``; ``.stop()``."""
+    """An HTTP proxy on 127.0.0.1 that loses, duplicates, delays and reorders messages to one target.
 
-    def __init__(self, target: str, port: int = 0, seed: int | None = None, max_body: int = 16 * 1024 * 1024,
-                 max_connections: int = 64, timeout: float = 30.0, **faults: float):
-        if urlsplit(target).hostname not in _LOOPBACK:
-            raise ValueError(f"the lossy proxy forwards to loopback only, not {target!r}")
-        self.target = target.rstrip("/")
-        self.faults = Faults(**faults)
+    ``LossyProxy(target, drop_request=0.1, seed=7).start()`` binds at construction (so ``port`` and ``url``
+    are known before ``start``), serves on background threads after ``start()``, and is closed by ``stop()``
+    or by leaving a ``with`` block. Connections beyond ``max_connections`` wait until one ends.
+    """
+
+    def __init__(self, target: str, *, host: str = BIND_HOST, port: int = 0, drop_request: float = 0.0,
+                 drop_response: float = 0.0, duplicate_request: float = 0.0, delay: float = 1.0,
+                 delay_ms: tuple[float, float] = (0, 0), reorder: float = 0.0, reorder_max_ms: float = 0,
+                 seed: int | None = None, max_body: int = DEFAULT_MAX_BODY, max_connections: int = 64,
+                 timeout: float = 30.0) -> None:
+        if host != BIND_HOST:
+            raise ConfigurationError(f"the lossy proxy listens on {BIND_HOST} only (it loses messages on "
+                                     f"purpose and must not be reachable from a network), not {host!r}")
+        if max_body < 0 or max_connections < 1 or timeout <= 0:
+            raise ConfigurationError(f"need max_body >= 0, max_connections >= 1, timeout > 0; got {max_body}, "
+                                     f"{max_connections}, {timeout}")
+        self._target = _Target.parse(target)
+        self._faults = Faults().changed(dict(
+            drop_request=drop_request, drop_response=drop_response, duplicate_request=duplicate_request,
+            delay=delay, delay_ms=delay_ms, reorder=reorder, reorder_max_ms=reorder_max_ms))
         self.max_body = max_body
         self.timeout = timeout
         self._random = random.Random(seed)
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._counts = {k: 0 for k in ("requests", "forwarded", "dropped_requests", "dropped_responses",
-                                       "duplicated", "delayed", "errors")}
-        self._session = requests.Session()
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
-        self._server.daemon_threads = True
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._stopped = threading.Event()
+        self._server = _Server((host, port), self, max_connections, self._stopped)
         self._thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:
-        return self._server.server_address[1]
+        return int(self._server.server_address[1])
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{BIND_HOST}:{self.port}"
 
-    def start(self) -> "LossyProxy":
-        self._thread = threading.Thread(target=self._server.serve_forever, name="lossy-proxy", daemon=True)
+    def start(self) -> LossyProxy:
+        """Serve on background threads; returns self."""
+        if self._thread is not None or self._stopped.is_set():
+            raise RuntimeError("a LossyProxy starts once")
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                        name=f"lossy-proxy-{self.port}", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
+        """Stop accepting, close every client connection, lose the messages still held back. Idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join()
         self._server.server_close()
-        self._session.close()
+        self._server.close_connections()
 
-    def __enter__(self) -> "LossyProxy":
-        return self.start()
+    def __enter__(self) -> LossyProxy:
+        return self if self._thread is not None else self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def stats(self) -> dict[str, int]:
+        """A snapshot of the counters (see ``COUNTERS``)."""
         with self._lock:
             return dict(self._counts)
 
-    def set_faults(self, **faults: float) -> None:
-        known = {f.name for f in fields(Faults)}
-        if set(faults) - known:
-            raise ValueError(f"unknown faults {sorted(set(faults) - known)}; known: {sorted(known)}")
-        with self._lock:
-            for name, value in faults.items():
-                setattr(self.faults, name, float(value))
+    def faults(self) -> dict[str, Any]:
+        """The current faults, as ``set_faults`` takes them."""
+        return asdict(self._faults)
 
-    def count(self, name: str) -> None:
+    def set_faults(self, **changes: Any) -> None:
+        """Change some faults for the exchanges that start from now on, e.g. ``set_faults(drop_request=0)``."""
+        with self._lock:
+            self._faults = self._faults.changed(changes)
+
+    def _exchange(self, request: _Request) -> _Response | None:
+        """What the network does to one request and its response; None means the client gets no answer."""
+        self._count("requests")
+        if not (self._delay() and self._hold_back()):
+            return None
+        if self._draw("drop_request"):
+            self._count("dropped_requests")
+            return None
+        response = self._forward(request)
+        if response is None or not self._delay():
+            return None
+        if self._draw("drop_response"):
+            self._count("dropped_responses")
+            return None
+        return response
+
+    def _forward(self, request: _Request) -> _Response | None:
+        if not self._draw("duplicate_request"):
+            return self._send(request)
+        self._count("duplicated")
+        if self._coin():
+            answers = [self._send(request), self._send(request)]
+        else:
+            answers = self._send_concurrently(request)
+        return self._pick([answer for answer in answers if answer is not None])
+
+    def _send_concurrently(self, request: _Request) -> list[_Response | None]:
+        copy: list[_Response | None] = []
+        helper = threading.Thread(target=lambda: copy.append(self._send(request)), daemon=True)
+        helper.start()
+        first = self._send(request)
+        helper.join()
+        return [first, *copy]
+
+    def _send(self, request: _Request) -> _Response | None:
+        """Forward one copy; None (counted as an error) when the target failed, timed out or overflowed."""
+        try:
+            response = self._target.send(request, self.timeout, self.max_body)
+        except (OSError, http.client.HTTPException, _TooLarge):
+            self._count("errors")
+            return None
+        self._count("forwarded")
+        return response
+
+    def _delay(self) -> bool:
+        """Maybe delay one direction; False when the proxy stopped meanwhile (the message is then lost)."""
+        low, high = self._faults.delay_ms
+        if high <= 0 or not self._draw("delay"):
+            return True
+        self._count("delayed")
+        return self._sleep_ms(low, high)
+
+    def _hold_back(self) -> bool:
+        """Maybe hold the request back so that later ones overtake it; False when the proxy stopped."""
+        longest = self._faults.reorder_max_ms
+        if longest <= 0 or not self._draw("reorder"):
+            return True
+        self._count("reordered")
+        return self._sleep_ms(0.0, longest)
+
+    def _sleep_ms(self, low: float, high: float) -> bool:
+        with self._lock:
+            seconds = self._random.uniform(low, high) / 1000
+        return not self._stopped.wait(seconds)
+
+    def _draw(self, fault: str) -> bool:
+        with self._lock:
+            return self._random.random() < getattr(self._faults, fault)
+
+    def _coin(self) -> bool:
+        with self._lock:
+            return self._random.random() < 0.5
+
+    def _pick(self, answers: list[_Response]) -> _Response | None:
+        with self._lock:
+            return self._random.choice(answers) if answers else None
+
+    def _count(self, name: str) -> None:
         with self._lock:
             self._counts[name] += 1
 
-    def draw(self, name: str) -> bool:
-        with self._lock:
-            return self._random.random() < getattr(self.faults, name)
 
-    def pause(self) -> None:
-        if self.draw("delay"):
-            with self._lock:
-                seconds = self._random.uniform(0, self.faults.delay_max_ms) / 1000
-            self.count("delayed")
-            time.sleep(seconds)
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once; the rest wait in the listen backlog."""
 
-    def forward(self, method: str, path: str, headers: dict[str, str], body: bytes) -> requests.Response:
-        return self._session.request(method, self.target + path, data=body, headers=headers,
-                                     timeout=self.timeout, allow_redirects=False)
+    daemon_threads = True
+    request_queue_size = 1024   # waiting connections queue here (the kernel caps it at net.core.somaxconn)
 
+    def __init__(self, address: tuple[str, int], proxy: LossyProxy, max_connections: int,
+                 stopped: threading.Event) -> None:
+        self.proxy = proxy
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._stopped = stopped
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(address, _Handler)
 
-def _handler(proxy: LossyProxy) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: Any) -> None:  # quiet
-            pass
-
-        def do_GET(self) -> None:
-            if self.path == "/__proxy__/stats":
-                self._reply(200, json.dumps(proxy.stats()).encode(), "application/json")
-            else:
-                self._relay()
-
-        def do_POST(self) -> None:
-            if self.path == "/__proxy__/faults":
-                try:
-                    proxy.set_faults(**json.loads(self._body() or b"{}"))
-                except (ValueError, TypeError) as exc:
-                    self._reply(400, str(exc).encode(), "text/plain")
-                    return
-                self._reply(200, json.dumps(asdict(proxy.faults)).encode(), "application/json")
-            else:
-                self._relay()
-
-        do_PUT = do_DELETE = do_POST  # noqa: N815
-
-        def _body(self) -> bytes:
-            length = int(self.headers.get("Content-Length") or 0)
-            return self.rfile.read(length) if length else b""
-
-        def _relay(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > proxy.max_body:
-                self.close_connection = True
-                self._reply(413, b"request over the proxy's limit", "text/plain")
+    def process_request(self, request: Any, client_address: Any) -> None:
+        while not self._slots.acquire(timeout=0.05):
+            if self._stopped.is_set():
+                self.shutdown_request(request)
                 return
-            body = self.rfile.read(length) if length else b""
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
-            proxy.count("requests")
-            with proxy._slots:
-                proxy.pause()
-                if proxy.draw("drop_request"):
-                    proxy.count("dropped_requests")
-                    self._vanish()
-                    return
-                try:
-                    response = proxy.forward(self.command, self.path, headers, body)
-                    if proxy.draw("duplicate_request"):
-                        proxy.count("duplicated")
-                        response = proxy.forward(self.command, self.path, headers, body)
-                except requests.RequestException:
-                    proxy.count("errors")
-                    self._vanish()
-                    return
-                proxy.count("forwarded")
-                proxy.pause()
-                if proxy.draw("drop_response"):
-                    proxy.count("dropped_responses")
-                    self._vanish()
-                    return
-            kept = [(k, v) for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP]
-            self._reply(response.status_code, response.content, None, kept)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
 
-        def _vanish(self) -> None:
-            """The message is lost: close the connection without an answer."""
-            self.close_connection = True
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._open_lock:
+                self._open.discard(request)
+            self._slots.release()
+
+    def close_connections(self) -> None:
+        """End every client connection still open (idle keep-alive ones included)."""
+        with self._open_lock:
+            open_now = list(self._open)
+        for connection in open_now:
             try:
-                self.connection.shutdown(2)
+                connection.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
-        def _reply(self, status: int, body: bytes, content_type: str | None,
-                   headers: list[tuple[str, str]] | None = None) -> None:
-            self.send_response(status)
-            for key, value in headers or []:
-                self.send_header(key, value)
-            if content_type:
-                self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):     # a client that went away is no news
+            super().handle_error(request, client_address)
 
-    return Handler
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def setup(self) -> None:
+        self.timeout = self.server.proxy.timeout    # an idle or stalled client gives its slot back
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
+        pass
+
+    def _serve(self) -> None:
+        body = self._read_body()
+        if body is None:
+            return
+        if urlsplit(self.path).path.startswith(CONTROL_PREFIX):
+            self._control(body)
+            return
+        request = _Request(self.command, self.path, _end_to_end(list(self.headers.items())), body)
+        response = self.server.proxy._exchange(request)
+        if response is None:
+            self._vanish()
+        else:
+            self._relay(response)
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _serve  # noqa: N815
+
+    def _read_body(self) -> bytes | None:
+        """The request body, or None after the proxy answered 400 or 413 (the connection then closes)."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            return self._read_chunked()
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if length < 0:
+            return self._refuse(400, "bad Content-Length")
+        if length > self.server.proxy.max_body:
+            return self._refuse(413, f"request body over the proxy's limit of {self.server.proxy.max_body} bytes")
+        return self.rfile.read(length)
+
+    def _read_chunked(self) -> bytes | None:
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            try:
+                size = int(self.rfile.readline(1024).split(b";")[0].strip(), 16)
+            except ValueError:
+                size = -1
+            if size < 0:
+                return self._refuse(400, "bad chunked body")
+            total += size
+            if total > self.server.proxy.max_body:
+                return self._refuse(413, f"request body over the proxy's limit of {self.server.proxy.max_body} bytes")
+            if size == 0:
+                break
+            chunks.append(self.rfile.read(size))
+            self.rfile.readline(1024)
+        while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+            pass                                    # trailers end at an empty line
+        return b"".join(chunks)
+
+    def _control(self, body: bytes) -> None:
+        proxy = self.server.proxy
+        route = (self.command, urlsplit(self.path).path)
+        if route == ("GET", STATS_PATH):
+            self._json(200, proxy.stats())
+        elif route == ("GET", FAULTS_PATH):
+            self._json(200, proxy.faults())
+        elif route == ("POST", FAULTS_PATH):
+            self._change_faults(body)
+        else:
+            self._json(404, {"error": f"the proxy answers GET {STATS_PATH}, GET and POST {FAULTS_PATH}"})
+
+    def _change_faults(self, body: bytes) -> None:
+        try:
+            changes = json.loads(body or b"{}")
+            if not isinstance(changes, dict):
+                raise ConfigurationError('the body is a JSON object such as {"drop_request": 0}')
+            self.server.proxy.set_faults(**changes)
+        except (ValueError, ConfigurationError) as exc:
+            self._json(400, {"error": str(exc)})
+            return
+        self._json(200, self.server.proxy.faults())
+
+    def _refuse(self, status: int, reason: str) -> None:
+        self.server.proxy._count("rejected")
+        self.close_connection = True                # the unread body must not be taken for the next request
+        self._json(status, {"error": reason})
+
+    def _json(self, status: int, payload: dict[str, Any]) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _relay(self, response: _Response) -> None:
+        self.send_response_only(response.status, response.reason)
+        for key, value in response.headers:
+            self.send_header(key, value)
+        if self.command != "HEAD" and response.status not in _NO_BODY_STATUS:
+            self.send_header("Content-Length", str(len(response.body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(response.body)
+
+    def _vanish(self) -> None:
+        """The message is lost: end the connection without a byte of response."""
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m qtp.testing.lossy_proxy",
+                                     description="A lossy HTTP proxy on 127.0.0.1 for tests and crash campaigns. "
+                                                 "Prints its URL on the first line, runs until SIGTERM/SIGINT.")
+    parser.add_argument("--target", required=True, help="base URL to forward to (loopback only)")
+    parser.add_argument("--host", default=BIND_HOST, help=f"address to listen on ({BIND_HOST} only)")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (default: a free one)")
+    for name in ("drop_request", "drop_response", "duplicate_request", "reorder"):
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=0.0, metavar="P")
+    parser.add_argument("--delay", type=float, default=1.0, metavar="P",
+                        help="probability that a direction is delayed within --delay-ms (default 1)")
+    parser.add_argument("--delay-ms", type=float, nargs=2, default=(0.0, 0.0), metavar=("MIN", "MAX"))
+    parser.add_argument("--reorder-max-ms", type=float, default=0.0, metavar="MS")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, metavar="BYTES")
+    parser.add_argument("--max-connections", type=int, default=64)
+    parser.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qtp.testing.lossy_proxy", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", required=True)
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--seed", type=int)
-    for f in fields(Faults):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=float, default=0.0)
-    args = parser.parse_args(argv)
-    faults = {f.name: getattr(args, f.name) for f in fields(Faults)}
-    proxy = LossyProxy(args.target, port=args.port, seed=args.seed, **faults).start()
-    print(proxy.url, flush=True)
+    options = vars(_parser().parse_args(argv))
+    try:
+        proxy = LossyProxy(options.pop("target"), **options)
+    except (ConfigurationError, OSError) as exc:
+        print(f"lossy_proxy: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    proxy.stop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    with proxy.start():
+        print(proxy.url, flush=True)
+        while not stop.wait(1.0):
+            pass
     return 0
 
 
