@@ -9,7 +9,7 @@ from pathlib import Path
 
 import qtp
 from qtp.embedded import free_port
-from rm_support import create, rows
+from qtp.testing.nodes import create, rows
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -1,17 +1,18 @@
-"""The application run by the two-node tests, as ``qtp serve --app rm_app:node`` (PYTHONPATH=tests).
+"""The application of the two-node tests and the crash campaign: ``qtp serve --app qtp.testing.e2e_app:node``.
 
 Environment:
 
 - ``QTP_TEST_CONFIG``: the node's qtp.toml;
 - ``QTP_TEST_SEND=N``: send orders 1..N on channel ``orders`` from a background thread, each in a
   transaction that also inserts the order's row in the client table ``orders`` (resource ``app``); every
-  ``QTP_TEST_ABORT_EVERY``-th transaction raises after sending, so neither row nor message may exist.
-  After a restart the thread resumes after the highest committed order.
+  ``QTP_TEST_ABORT_EVERY``-th transaction raises after sending, so neither row nor message may exist (its
+  row is then written with status ``aborted`` in a transaction of its own, for the reconciliation).
+  After a restart the thread resumes after the highest order recorded.
 - ``QTP_TEST_FAIL=K,...``: the server's handler raises for these order numbers (dead letters / faults).
 
 Server side: the handler of ``urn:test:apply`` inserts a row into ``applied`` (no unique key, so a
 duplicate apply would show as two rows) and, on a request-reply channel, answers ``<done k="K"/>``. Client
-side: the reply handler counts replies (and faults) per order in ``orders``.
+side: the reply handler records each reply (and fault) as a row of ``replies``.
 """
 
 from __future__ import annotations
@@ -56,12 +57,11 @@ def apply(tx, message):
 if "orders" in node.channels and node.channels["orders"].reply:
     @node.reply_handler("orders")
     def replied(tx, reply):
-        column = "faults" if reply.fault is not None else "replies"
         if reply.fault is not None:
-            k = int(re.search(r"order (\d+)", reply.fault).group(1))
+            k, kind = int(re.search(r"order (\d+)", reply.fault).group(1)), "fault"
         else:
-            k = _order(reply.payload)
-        tx.connection("app").execute(text(f"UPDATE orders SET {column} = {column} + 1 WHERE k = :k"), {"k": k})
+            k, kind = _order(reply.payload), "reply"
+        tx.connection("app").execute(text("INSERT INTO replies (k, kind) VALUES (:k, :kind)"), {"k": k, "kind": kind})
 
 
 class Abort(Exception):
@@ -69,7 +69,7 @@ class Abort(Exception):
 
 
 def _send(count: int, abort_every: int) -> None:
-    engine = node.manager.resource("app").engine
+    engine = sa.create_engine(node.manager.resource("app").url, pool_size=2, pool_pre_ping=True)
     with engine.connect() as conn:
         start = conn.execute(text("SELECT COALESCE(MAX(k), 0) FROM orders")).scalar() + 1
     for k in range(start, count + 1):
@@ -82,12 +82,26 @@ def _send(count: int, abort_every: int) -> None:
                         raise Abort()
                 break
             except Abort:
+                _record_abort(engine, k)
                 break
             except Exception as exc:  # a database restarting: try again unless it did commit
                 logging.warning("sending order %d failed (%s); retrying", k, exc)
                 time.sleep(0.2)
                 if _committed(engine, k):
                     break
+
+
+def _record_abort(engine: sa.Engine, k: int) -> None:
+    while True:
+        try:
+            with engine.begin() as conn:
+                conn.execute(text("INSERT INTO orders (k, status) VALUES (:k, 'aborted')"), {"k": k})
+            return
+        except Exception as exc:  # the database is restarting
+            logging.warning("recording aborted order %d failed (%s); retrying", k, exc)
+            time.sleep(0.2)
+            if _committed(engine, k):
+                return
 
 
 def _committed(engine: sa.Engine, k: int) -> bool:

@@ -1,4 +1,5 @@
-"""Two qtp nodes as separate OS processes (``qtp serve --app rm_app:node``), their configs and checks."""
+"""Two qtp nodes as separate OS processes (``qtp serve --app qtp.testing.e2e_app:node``), their configs, and
+the exactly-once check of their tables. Used by the two-node tests and by benchmarks/e2e_campaign.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from sqlalchemy import text
 
 from qtp.embedded import free_port
 
-TESTS = Path(__file__).resolve().parent
 
 
 def create(url: str, ddl: str) -> None:
@@ -27,8 +27,10 @@ def create(url: str, ddl: str) -> None:
 
 
 def client_schema(url: str) -> None:
-    create(url, "CREATE TABLE orders (k int PRIMARY KEY, replies int NOT NULL DEFAULT 0, "
-                "faults int NOT NULL DEFAULT 0)")
+    """``orders``: one row per order, status committed (its transaction sent it) or aborted (rolled back on
+    purpose, recorded afterwards); ``replies``: one row per reply or fault applied (kind reply / fault)."""
+    create(url, "CREATE TABLE orders (k int PRIMARY KEY, status varchar(16) NOT NULL DEFAULT 'committed')")
+    create(url, "CREATE TABLE replies (k int NOT NULL, kind varchar(8) NOT NULL)")
 
 
 def server_schema(url: str) -> None:
@@ -117,7 +119,7 @@ http_timeout = 5
 
 
 class NodeProcess:
-    """``qtp serve --app rm_app:node`` for one config; ``start``, ``kill`` (SIGKILL), ``stop`` (SIGTERM)."""
+    """``qtp serve --app qtp.testing.e2e_app:node`` for one config; ``start``, ``kill`` (SIGKILL), ``stop``."""
 
     def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None):
         self.config = config
@@ -128,9 +130,9 @@ class NodeProcess:
                              if line.startswith("listen")).rsplit(":", 1)[1].strip('"'))
 
     def start(self, timeout: float = 60.0) -> "NodeProcess":
-        env = dict(os.environ, PYTHONPATH=str(TESTS), QTP_TEST_CONFIG=str(self.config), **self.env)
+        env = dict(os.environ, QTP_TEST_CONFIG=str(self.config), **self.env)
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "qtp", "serve", "--app", "rm_app:node"],
+            self.proc = subprocess.Popen([sys.executable, "-m", "qtp", "serve", "--app", "qtp.testing.e2e_app:node"],
                                          env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -179,7 +181,7 @@ def wait_until(condition, timeout: float, what: str, poll: float = 0.25) -> None
 def check_exactly_once(client_url: str, server_url: str, reply: bool, failed: set[int] = frozenset()) -> dict:
     """Every committed order applied exactly once (except refused ones), nothing else applied, in order per
     sequence; with replies: every applied order got exactly one reply, refused ones exactly one fault."""
-    committed = {k for (k,) in rows(client_url, "SELECT k FROM orders")}
+    committed = {k for (k,) in rows(client_url, "SELECT k FROM orders WHERE status = 'committed'")}
     applied = rows(server_url, "SELECT id, k, seq, num FROM applied ORDER BY id")
     counts: dict[int, int] = {}
     for _, k, _, _ in applied:
@@ -196,8 +198,12 @@ def check_exactly_once(client_url: str, server_url: str, reply: bool, failed: se
     for seq, numbers in by_sequence.items():
         assert numbers == sorted(numbers), f"sequence {seq} applied out of order: {numbers[:20]}"
     if reply:
-        answers = rows(client_url, "SELECT k, replies, faults FROM orders")
-        wrong = [(k, r, f) for k, r, f in answers
-                 if (k in failed and (r, f) != (0, 1)) or (k not in failed and (r, f) != (1, 0))]
-        assert not wrong, f"orders without exactly one reply (k, replies, faults): {wrong[:20]}"
+        got: dict[int, tuple[int, int]] = {}
+        for k, kind, n in rows(client_url, "SELECT k, kind, COUNT(*) FROM replies GROUP BY k, kind"):
+            r, f = got.get(k, (0, 0))
+            got[k] = (r + n, f) if kind == "reply" else (r, f + n)
+        wrong = [(k, got.get(k, (0, 0))) for k in committed
+                 if got.get(k, (0, 0)) != ((0, 1) if k in failed else (1, 0))]
+        wrong += [(k, v) for k, v in got.items() if k not in committed]
+        assert not wrong, f"orders without exactly one reply (k, (replies, faults)): {sorted(wrong)[:20]}"
     return {"committed": len(committed), "applied": len(applied), "sequences": len(by_sequence)}
