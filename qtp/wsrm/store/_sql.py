@@ -202,8 +202,7 @@ class SqlStore(Store):
                      {"info": _dump(_fields(info)), "record": _dump(to_row(record))})
 
     def sources(self, s: Connection) -> list[tuple[SourceInfo, SourceRecord]]:
-        return [(SourceInfo(**json.loads(row.info)), from_row(SourceRecord, json.loads(row.record)))
-                for row in s.execute(sources.select().order_by(sources.c.seq_key))]
+        return _with_info(s, sources, SourceInfo, SourceRecord)
 
     def drop_source(self, s: Connection, key: str) -> None:
         s.execute(outgoing.delete().where(outgoing.c.seq_key == key))
@@ -216,8 +215,7 @@ class SqlStore(Store):
                      {"info": _dump(_fields(info)), "record": _dump(to_row(record))})
 
     def destinations(self, s: Connection) -> list[tuple[DestinationInfo, DestinationRecord]]:
-        return [(DestinationInfo(**json.loads(row.info)), from_row(DestinationRecord, json.loads(row.record)))
-                for row in s.execute(destinations.select().order_by(destinations.c.identifier))]
+        return _with_info(s, destinations, DestinationInfo, DestinationRecord)
 
     def drop_destination(self, s: Connection, identifier: str) -> None:
         for table in (incoming, invokers, destinations):
@@ -296,6 +294,12 @@ class SqlStore(Store):
         updated = s.execute(table.update().where(table.c[column] == value).values(**values)).rowcount
         if updated == 0:
             s.execute(table.insert().values(**key, **values))
+
+
+def _with_info(s: Connection, table: sa.Table, info: type, record: type) -> list[Any]:
+    """Every (info, machine record) pair saved in ``table``, by primary key."""
+    return [(info(**json.loads(row.info)), from_row(record, json.loads(row.record)))
+            for row in s.execute(table.select().order_by(*table.primary_key.columns))]
 
 
 def _fields(value: Any) -> dict[str, Any]:
