@@ -8,6 +8,8 @@ Environment:
   ``QTP_TEST_ABORT_EVERY``-th transaction raises after sending, so neither row nor message may exist (its
   row is then written with status ``aborted`` in a transaction of its own, for the reconciliation).
   After a restart the thread resumes after the highest order recorded.
+- ``QTP_TEST_THREADS=T``: T sending threads (orders k with k mod T apart); ``QTP_TEST_PAD=BYTES`` pads each
+  order's XML (payload size, for benchmarks).
 - ``QTP_TEST_FAIL=K,...``: the server's handler raises for these order numbers (dead letters / faults).
 
 Server side: the handler of ``urn:test:apply`` inserts a row into ``applied`` (no unique key, so a
@@ -49,8 +51,9 @@ def apply(tx, message):
     k = _order(message.payload)
     if k in _FAIL:
         raise RuntimeError(f"order {k} is refused by the test")
-    tx.connection("app").execute(text("INSERT INTO applied (k, seq, num) VALUES (:k, :s, :n)"),
-                                 {"k": k, "s": message.identifier, "n": message.number})
+    latency = None if message.enqueued_at is None else (time.time() - message.enqueued_at) * 1000
+    tx.connection("app").execute(text("INSERT INTO applied (k, seq, num, lat_ms) VALUES (:k, :s, :n, :l)"),
+                                 {"k": k, "s": message.identifier, "n": message.number, "l": latency})
     return f'<done xmlns="urn:test" k="{k}"/>'.encode()
 
 
@@ -68,16 +71,19 @@ class Abort(Exception):
     """The test's deliberate rollback."""
 
 
-def _send(count: int, abort_every: int) -> None:
+def _send(count: int, abort_every: int, lane: int, lanes: int, padding: str) -> None:
+    """Send orders lane, lane + lanes, ... up to ``count`` (one lane per thread), resuming after a restart."""
     engine = sa.create_engine(node.manager.resource("app").url, pool_size=2, pool_pre_ping=True)
     with engine.connect() as conn:
-        start = conn.execute(text("SELECT COALESCE(MAX(k), 0) FROM orders")).scalar() + 1
-    for k in range(start, count + 1):
+        done = conn.execute(text("SELECT COALESCE(MAX(k), 0) FROM orders WHERE MOD(k, :n) = :r"),
+                            {"n": lanes, "r": lane % lanes}).scalar()
+    start = done + lanes if done else lane
+    for k in range(start, count + 1, lanes):
         while True:
             try:
                 with qtp.transaction() as tx:
                     tx.connection("app").execute(text("INSERT INTO orders (k) VALUES (:k)"), {"k": k})
-                    tx.send("orders", f'<order xmlns="urn:test" k="{k}"/>'.encode(), action=ACTION)
+                    tx.send("orders", f'<order xmlns="urn:test" k="{k}">{padding}</order>'.encode(), action=ACTION)
                     if abort_every and k % abort_every == 0:
                         raise Abort()
                 break
@@ -114,6 +120,10 @@ def _committed(engine: sa.Engine, k: int) -> bool:
 
 _count = int(os.environ.get("QTP_TEST_SEND", "0"))
 if _count:
-    threading.Thread(target=_send, args=(_count, int(os.environ.get("QTP_TEST_ABORT_EVERY", "0"))),
-                     name="test-sender", daemon=True).start()
+    _lanes = int(os.environ.get("QTP_TEST_THREADS", "1"))
+    _padding = "x" * int(os.environ.get("QTP_TEST_PAD", "0"))
+    for _lane in range(1, _lanes + 1):
+        threading.Thread(target=_send, name=f"test-sender-{_lane}", daemon=True,
+                         args=(_count, int(os.environ.get("QTP_TEST_ABORT_EVERY", "0")), _lane, _lanes, _padding)
+                         ).start()
 

@@ -35,7 +35,8 @@ def client_schema(url: str) -> None:
 
 def server_schema(url: str) -> None:
     auto = "SERIAL" if url.startswith("postgresql") else "int AUTO_INCREMENT"
-    create(url, f"CREATE TABLE applied (id {auto} PRIMARY KEY, k int NOT NULL, seq varchar(255), num bigint)")
+    create(url, f"CREATE TABLE applied (id {auto} PRIMARY KEY, k int NOT NULL, seq varchar(255), num bigint, "
+                "lat_ms double precision)")
 
 
 def rows(url: str, query: str) -> list[tuple]:

@@ -1,0 +1,251 @@
+"""End-to-end crash campaign: two qtp nodes, SIGKILLs of nodes and databases, a lossy network, Spark's verdict.
+
+A client node (application table ``orders``) sends N orders, each in a transaction that inserts the order's
+row; every 13th is rolled back on purpose (then recorded with status ``aborted``). A server node applies
+each order by inserting into ``applied`` and answers; the client records each reply in ``replies``. Two
+lossy proxies sit between the nodes, one per direction. While orders flow, a driver kills, at random
+instants and with SIGKILL: the client node, the server node, the PostgreSQL server, the MariaDB server, or
+arms a failpoint in a node (it restarts the node with ``QTP_FAILPOINTS=<point>=crash@<n>``, so the node
+kills itself at a chosen instant inside the runtime or the commit path). Everything is restarted. At the
+end the loss is turned off, the run waits (bounded) until nothing moves any more, and ``qtp reconcile``
+(the Spark job) compares ``orders`` with ``applied`` and with ``replies``.
+
+    python benchmarks/e2e_campaign.py --mode xa --messages 10000 --kills 200 --loss 0.1 --seed 1
+
+Every kill's outcome goes to ``<out>/kills.json``, the reconciliation reports to ``<out>/``; the verdict
+(``exactly-once`` or ``violated``) is printed last and the exit code is 0 only for exactly-once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres, free_port
+from qtp.testing.lossy_proxy import LossyProxy
+from qtp.testing.nodes import NodeProcess, Pair, client_schema, rows, server_schema
+
+ABORT_EVERY = 13
+FAILPOINTS = {
+    # where the node kills itself; which ones a run can reach depends on where the stores are
+    "colocated": ["after_store_before_ack", "after_apply_before_ack"],
+    "other": ["after_store_before_ack", "after_apply_before_ack", "before_prepare", "after_prepare_0",
+              "after_decision_forced", "after_commit_0", "before_end_record"],
+}
+VICTIMS = ("client", "server", "postgresql", "mariadb", "failpoint")
+
+
+@dataclass
+class Campaign:
+    args: argparse.Namespace
+    out: Path
+    rng: random.Random
+    kills: list[dict] = field(default_factory=list)
+
+
+def _databases(root: Path) -> tuple[EmbeddedPostgres, EmbeddedMariaDB]:
+    pg, maria = EmbeddedPostgres(root / "pg"), EmbeddedMariaDB(root / "mariadb")
+    pg.start()
+    maria.start()
+    return pg, maria
+
+
+def _pair(args: argparse.Namespace, pg: EmbeddedPostgres, maria: EmbeddedMariaDB, tag: str) -> Pair:
+    client_db, server_db = (pg, maria) if args.pair == "pg-maria" else (maria, pg)
+    client_app = client_db.create_database(f"c_{tag}")
+    server_app = server_db.create_database(f"s_{tag}")
+    client_schema(client_app)
+    server_schema(server_app)
+    stores = {}
+    if args.store == "other":
+        stores = {"client_store": server_db.create_database(f"cs_{tag}"),
+                  "server_store": client_db.create_database(f"ss_{tag}")}
+    return Pair(client_app, server_app, reply=args.reply, mode=args.mode, wsrm=args.wsrm, soap=args.soap,
+                proxy_port=free_port(), back_proxy_port=free_port(), limits="max_attempts = 1000", **stores)
+
+
+def _count(url: str, query: str) -> int:
+    try:
+        return int(rows(url, query)[0][0] or 0)
+    except Exception:  # the database is being killed: no reading this time
+        return -1
+
+
+def _kill(c: Campaign, victim: str, nodes: dict[str, NodeProcess], servers: dict) -> dict:
+    began = time.monotonic()
+    record: dict = {"i": len(c.kills) + 1, "victim": victim, "at_s": round(time.monotonic() - c.args.began, 3)}
+    if victim in ("client", "server"):
+        nodes[victim].kill()
+        nodes[victim].start()
+    elif victim in ("postgresql", "mariadb"):
+        servers[victim].kill()
+        servers[victim].start()
+    else:
+        which = c.rng.choice(["client", "server"])
+        point = c.rng.choice(FAILPOINTS[c.args.store])
+        hit = c.rng.randint(1, 20)
+        record.update(node=which, failpoint=f"{point}=crash@{hit}")
+        node = nodes[which]
+        node.kill()
+        node.env["QTP_FAILPOINTS"] = record["failpoint"]
+        try:
+            node.start()
+        except RuntimeError:  # the failpoint fired while the node was starting (delivering its backlog)
+            record["fired"] = True
+            node.env.pop("QTP_FAILPOINTS")
+            node.start()
+        node.env.pop("QTP_FAILPOINTS", None)
+    record["restart_s"] = round(time.monotonic() - began, 3)
+    return record
+
+
+def _revive(nodes: dict[str, NodeProcess], c: Campaign) -> None:
+    """A node that a failpoint killed is started again (without the failpoint)."""
+    for name, node in nodes.items():
+        if not node.alive():
+            node.start()
+            for record in reversed(c.kills):
+                if record.get("node") == name and "fired" not in record:
+                    record["fired"] = True
+                    break
+
+
+def _run_kills(c: Campaign, pair: Pair, nodes: dict[str, NodeProcess], servers: dict) -> None:
+    args = c.args
+    for i in range(args.kills):
+        # spread the kills over the stream: kill i once the client has recorded its share of the orders
+        # (or after a few seconds without progress), at a random instant shortly after
+        target = (i + 1) * args.messages / (args.kills + 1)
+        waited = time.monotonic()
+        while _count(pair.client_app, "SELECT COUNT(*) FROM orders") < target and time.monotonic() - waited < 5:
+            _revive(nodes, c)
+            time.sleep(0.05)
+        time.sleep(c.rng.uniform(0.0, 0.3))
+        _revive(nodes, c)
+        victim = VICTIMS[(len(c.kills)) % len(VICTIMS)] if len(c.kills) < len(VICTIMS) else c.rng.choice(VICTIMS)
+        record = _kill(c, victim, nodes, servers)
+        record["applied_before"] = _count(pair.server_app, "SELECT COUNT(*) FROM applied")
+        c.kills.append(record)
+        if len(c.kills) % 10 == 0 or len(c.kills) == args.kills:
+            print(f"  kill {len(c.kills)}/{args.kills}: {victim}; applied {record['applied_before']}", flush=True)
+        (c.out / "kills.json").write_text(json.dumps(c.kills, indent=1))
+
+
+def _drain(c: Campaign, pair: Pair, nodes: dict[str, NodeProcess], proxies: list[LossyProxy]) -> dict:
+    """No more loss; wait until the client has sent everything and nothing changes for a while."""
+    for proxy in proxies:
+        proxy.set_faults(drop_request=0, drop_response=0, duplicate_request=0)
+    deadline = time.monotonic() + c.args.drain_s
+    last, still_since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        _revive(nodes, c)
+        state = (_count(pair.client_app, "SELECT COUNT(*) FROM orders"),
+                 _count(pair.server_app, "SELECT COUNT(*) FROM applied"),
+                 _count(pair.client_app, "SELECT COUNT(*) FROM replies"))
+        committed = _count(pair.client_app, "SELECT COUNT(*) FROM orders WHERE status = 'committed'")
+        complete = state[0] == c.args.messages and state[1] >= committed and (not c.args.reply or state[2] >= committed)
+        if state != last:
+            last, still_since = state, time.monotonic()
+            print(f"  draining: orders {state[0]}, applied {state[1]}, replies {state[2]}", flush=True)
+        if complete and time.monotonic() - still_since > 3 or time.monotonic() - still_since > c.args.quiet_s:
+            break
+        time.sleep(1.0)
+    return {"orders": last[0], "applied": last[1], "replies": last[2], "drained": time.monotonic() < deadline}
+
+
+def _reconcile(c: Campaign, pair: Pair, server_table: str, server_url: str, name: str) -> dict:
+    report = c.out / f"reconcile-{name}.json"
+    command = [sys.executable, "-m", "qtp", "reconcile", "--client-url", pair.client_app, "--client-table", "orders",
+               "--server-url", server_url, "--server-table", server_table, "--key", "k",
+               "--client-status-column", "status", "--json", str(report), "--quiet",
+               "--conf", "spark.ui.enabled=false"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode not in (0, 1) or not report.exists():
+        raise SystemExit(f"qtp reconcile failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(report.read_text())
+
+
+def run(args: argparse.Namespace) -> int:
+    tag = f"{args.mode}_{args.seed}_{int(time.time())}"
+    out = Path(args.out or f".qtp/campaign/{tag}")
+    out.mkdir(parents=True, exist_ok=True)
+    c = Campaign(args, out, random.Random(args.seed))
+    args.began = time.monotonic()
+    print(f"e2e campaign: mode {args.mode}, {args.messages} messages, {args.kills} kills, loss {args.loss}, "
+          f"seed {args.seed}, {args.pair}, stores {args.store}, {'request-reply' if args.reply else 'one-way'}",
+          flush=True)
+    pg, maria = _databases(Path(args.root))
+    pair = _pair(args, pg, maria, tag)
+    client_config, server_config = pair.write(out)
+    loss = dict(drop_request=args.loss / 2, drop_response=args.loss / 2, duplicate_request=args.loss / 2,
+                delay=0.2, delay_ms=(0, 30))
+    proxies = [LossyProxy(f"http://127.0.0.1:{pair.server_port}", port=pair.proxy_port, seed=args.seed, **loss).start(),
+               LossyProxy(f"http://127.0.0.1:{pair.client_port}", port=pair.back_proxy_port, seed=args.seed + 1,
+                          **loss).start()]
+    nodes = {"server": NodeProcess(server_config, out / "server.log"),
+             "client": NodeProcess(client_config, out / "client.log",
+                                   {"QTP_TEST_SEND": str(args.messages), "QTP_TEST_ABORT_EVERY": str(ABORT_EVERY)})}
+    servers = {"postgresql": pg, "mariadb": maria}
+    try:
+        nodes["server"].start()
+        nodes["client"].start()
+        _run_kills(c, pair, nodes, servers)
+        drained = _drain(c, pair, nodes, proxies)
+    finally:
+        for node in nodes.values():
+            node.stop()
+        for proxy in proxies:
+            proxy.stop()
+    requests_report = _reconcile(c, pair, "applied", pair.server_app, "requests")
+    replies_report = _reconcile(c, pair, "replies", pair.client_app, "replies") if args.reply else None
+    return summarise(c, drained, requests_report, replies_report)
+
+
+def summarise(c: Campaign, drained: dict, requests_report: dict, replies_report: dict | None) -> int:
+    counts = requests_report["counts"]
+    result = {"mode": c.args.mode, "messages": c.args.messages, "kills": len(c.kills), "loss": c.args.loss,
+              "seed": c.args.seed, "pair": c.args.pair, "store": c.args.store, "reply": c.args.reply,
+              "victims": {v: sum(1 for k in c.kills if k["victim"] == v) for v in VICTIMS},
+              "drained": drained, "requests": counts, "requests_verdict": requests_report["verdict"],
+              "replies": replies_report["counts"] if replies_report else None,
+              "replies_verdict": replies_report["verdict"] if replies_report else None,
+              "elapsed_s": round(time.monotonic() - c.args.began, 1)}
+    verdict = "exactly-once" if result["requests_verdict"] == "exactly-once" and \
+        result["replies_verdict"] in (None, "exactly-once") else "violated"
+    result["verdict"] = verdict
+    (c.out / "result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("victims", "requests", "replies", "elapsed_s")}))
+    print(f"results in {c.out}")
+    print(verdict)
+    return 0 if verdict == "exactly-once" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["memory", "persistent", "xa"], default="xa")
+    parser.add_argument("--messages", type=int, default=1000)
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--loss", type=float, default=0.1, help="share of requests and responses disturbed")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--pair", choices=["pg-maria", "maria-pg"], default="pg-maria",
+                        help="client database - server database")
+    parser.add_argument("--store", choices=["colocated", "other"], default="colocated",
+                        help="queues in each node's application database, or in the other database (2PC)")
+    parser.add_argument("--one-way", dest="reply", action="store_false", help="no replies")
+    parser.add_argument("--wsrm", default="1.1")
+    parser.add_argument("--soap", default="1.2")
+    parser.add_argument("--drain-s", type=float, default=600.0, help="bound on the final wait")
+    parser.add_argument("--quiet-s", type=float, default=30.0, help="nothing moved this long: stop waiting")
+    parser.add_argument("--root", default=".qtp/campaign-db", help="folder of the campaign's own database servers")
+    parser.add_argument("--out", default=None, help="results folder (default .qtp/campaign/<mode>_<seed>_<time>)")
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
