@@ -96,6 +96,7 @@ class Receiver:
         self._created_by: dict[str, str] = {}  # CreateSequence MessageID -> identifier
         self._locks: dict[str, threading.Lock] = {}
         self._mutex = threading.Lock()
+        self._stale: set[str] = set()  # sequences whose last store transaction ended with an error
 
     def load(self) -> None:
         with self.store.local() as s:
@@ -203,8 +204,9 @@ class Receiver:
         lock = self._locks.get(seq.identifier)
         if lock is None:
             return self._answer(env, seq.identifier, [unknown_sequence(seq.identifier)])
-        stored = False
+        accepted = False
         with lock:
+            self._reload_if_stale(seq.identifier)
             machine = self._machines[seq.identifier]
             if not _ranges_contain(machine.record.received, seq.number) and self._busy():
                 fault = SoapFault("Receiver", None, "the node's backlog of unapplied messages is full; retry later")
@@ -214,7 +216,8 @@ class Receiver:
                 actions = probe.handle(MessageReceived(seq.number, now, seq.last_message))
             except ProtocolError as exc:
                 return self._protocol_error(env, seq.identifier, exc)
-            if any(isinstance(a, AcceptMessage) for a in actions):
+            accepted = any(isinstance(a, AcceptMessage) for a in actions)
+            if accepted:
                 message = Incoming(
                     identifier=seq.identifier, number=seq.number,
                     message_id=env.addressing.message_id or f"urn:uuid:{uuid.uuid4()}",
@@ -222,18 +225,33 @@ class Receiver:
                     enqueued_at=enqueued_at(env.addressing.message_id or ""), relates_to=env.addressing.relates_to,
                     fault=env.body.reason if isinstance(env.body, SoapFault) else None,
                 )
+                self._stale.add(seq.identifier)  # until the commit is known to have happened
                 with self.store.local() as s:
-                    stored = self.store.store_incoming(s, message)
+                    if self.store.store_incoming(s, message):
+                        self.node.metrics.received.inc()
                     self.store.save_destination(s, self._infos[seq.identifier], probe.record)
                 failpoint("after_store_before_ack")
             self._machines[seq.identifier] = probe
-        if stored:
-            self.node.metrics.received.inc()
+            self._stale.discard(seq.identifier)
+        if accepted:  # also when it was stored already, by a commit whose outcome we did not learn
             self.node.invoker.stored(seq.identifier, seq.number)
         answer = self._answer(env, seq.identifier, actions)
         if env.ack_requests and answer.envelope is None:
             return self._event(env, seq.identifier, AckRequestedReceived(now))
         return answer
+
+    def _reload_if_stale(self, identifier: str) -> None:
+        """The last store transaction of this sequence failed, perhaps after its COMMIT landed: rebuild the
+        machine from the store (the truth) before handling anything else, or a later save would drop a
+        number that was stored and acknowledged nowhere else (and its retransmission would be applied twice)."""
+        if identifier not in self._stale:
+            return
+        with self.store.local() as s:
+            saved = {record.identifier: record for _, record in self.store.destinations(s)}
+        if identifier in saved:
+            self._machines[identifier] = DestinationSequence(saved[identifier])
+        self._stale.discard(identifier)
+        log.info("inbound sequence %s reloaded from the store after a failed transaction", identifier)
 
     def _busy(self) -> bool:
         return self.node.invoker.backlog() >= self.node.limits.max_invoker_backlog
@@ -243,6 +261,7 @@ class Receiver:
         if lock is None:
             return self._answer(env, identifier, [unknown_sequence(identifier)])
         with lock:
+            self._reload_if_stale(identifier)
             machine = self._machines[identifier]
             probe = DestinationSequence(machine.record)
             try:
@@ -250,9 +269,11 @@ class Receiver:
             except ProtocolError as exc:
                 return self._protocol_error(env, identifier, exc)
             if probe.record.state is not machine.record.state or probe.record.last_number != machine.record.last_number:
+                self._stale.add(identifier)
                 with self.store.local() as s:
                     self.store.save_destination(s, self._infos[identifier], probe.record)
             self._machines[identifier] = probe
+            self._stale.discard(identifier)
         for a in actions:
             if isinstance(a, SequenceEnded):
                 self.node.invoker.completed(identifier, probe.record.received)

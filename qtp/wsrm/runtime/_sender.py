@@ -116,6 +116,7 @@ class Sender:
         self._mutex = threading.Lock()
         self._pool = ThreadPoolExecutor(self.limits.sender_threads, thread_name_prefix="qtp-send")
         self._fill_lock = threading.Lock()
+        self._stale: set[str] = set()  # sequences whose last store transaction ended with an error
         self.wake = threading.Event()
 
     # ------------------------------------------------------------------ start-up
@@ -244,6 +245,8 @@ class Sender:
         if lock is None:
             return
         with lock:
+            if key in self._stale:
+                self._reload(key)
             machine = self._machines.get(key)
             if machine is None:
                 return
@@ -257,6 +260,7 @@ class Sender:
             info = self._infos[key]
             store = self.node.store_for_route(info.route)
             ended = probe.record.state in _ENDED
+            self._stale.add(key)  # until the commit is known to have happened: its outcome may be unknown
             with store.local() as s:
                 if messages:
                     numbers = [a.number for a in actions if isinstance(a, MessageNumbered)]
@@ -275,9 +279,23 @@ class Sender:
                           probe.record.next_number, probe.record.acked, len(probe.record.pending),
                           sorted({type(e).__name__ for e in events}))
             self._machines[key] = probe
+            self._stale.discard(key)
             if ended:
                 self._forget(key, info)
         self._carry_out(key, info, actions, messages or [])
+
+    def _reload(self, key: str) -> None:
+        """A store transaction of ``key`` failed with its outcome unknown (the connection broke during COMMIT,
+        the database was killed): the store is the truth, so the machine is rebuilt from it before any other
+        event. Otherwise a commit that did land would be contradicted by the next one (a number given twice)."""
+        info = self._infos[key]
+        store = self.node.store_for_route(info.route)
+        with store.local() as s:
+            saved = {record.key: record for _, record in store.sources(s)}
+        if key in saved:
+            self._machines[key] = SourceSequence(saved[key])
+        self._stale.discard(key)
+        log.info("sequence %s reloaded from the store after a failed transaction", key)
 
     def _requeue(self, store: Store, s: Any, key: str, lost: tuple[tuple[int, int], ...]) -> None:
         """The sequence ended without these being acknowledged: they go back to their route, to be sent
