@@ -82,7 +82,7 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
     client_schema(client_app)
     server_schema(server_app)
     stores = {"client_store": _fresh(maria, f"tcs_{tag}"), "server_store": _fresh(pg, f"tss_{tag}")} if other else {}
-    pair = Pair(client_app, server_app, reply=False, limits="retransmit_interval = 2\nmax_unacknowledged = 512",
+    pair = Pair(client_app, server_app, reply=False, limits="max_unacknowledged = 512",
                 **stores)
     run = folder / tag
     run.mkdir(parents=True, exist_ok=True)

@@ -206,3 +206,12 @@ def test_a_store_refuses_an_autocommit_engine(maria_db):
     with pytest.raises(qtp.errors.ConfigurationError, match="autocommits"):
         SqlStore("auto", engine).create()
     engine.dispose()
+
+
+def test_incoming_from_a_number_with_a_limit(store):
+    with store.local() as s:
+        for number in (5, 1, 3, 2, 4):
+            store.store_incoming(s, _in("urn:d", number))
+    with store.local() as s:
+        assert [m.number for m in store.incoming(s, "urn:d", start=2, limit=3)] == [2, 3, 4]
+        assert [m.number for m in store.incoming(s, "urn:d", start=5)] == [5]

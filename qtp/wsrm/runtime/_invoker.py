@@ -208,10 +208,15 @@ class Invoker:
                 self._abort(item[0], item[1], at=time.time() + 1.0)
 
     def _deliver(self, identifier: str, number: int) -> None:
+        batch = self.node.limits.invoker_batch if identifier != REDELIVERY else 1
         with self.store.local() as s:
-            found = self.store.incoming(s, identifier, number)
-        if not found:
-            self._committed(identifier, number)  # applied before (a persistent-mode replay, a lost ack)
+            found = self.store.incoming(s, identifier, start=number, limit=batch)
+        if not found or found[0].number != number:
+            record = self.node.receiver.record(identifier)
+            if identifier != REDELIVERY and (record is None or not ranges.contains(record.received, number)):
+                self._abort(identifier, number, at=time.time() + 0.2)  # not stored yet: look again soon
+                return
+            self._committed(identifier, number)  # stored once and consumed since: applied before
             return
         message = found[0]
         now = time.time()
@@ -230,8 +235,16 @@ class Invoker:
             log.warning("no handler for action %r (sequence %s #%d); it waits until one is registered",
                         message.action, identifier, number)
             return
+        following = self._batchable(message, found[1:], handler, info, now)
+        if following:
+            try:
+                self._apply(handler, [message, *following])
+                return
+            except Exception as exc:  # each message gets its own transaction (and its own failure count)
+                log.info("a batch of %d messages from %s #%d failed (%s); applying them one by one",
+                         1 + len(following), identifier, number, exc)
         try:
-            self._apply(handler, message)
+            self._apply(handler, [message])
         except _AlreadyApplied:
             self._committed(identifier, number)
         except OutcomeUnknownError as exc:
@@ -240,34 +253,64 @@ class Invoker:
         except Exception as exc:
             self._failed(message, exc)
 
-    def _delivered_record(self, identifier: str, number: int) -> InvokerRecord:
+    def _batchable(self, head: Incoming, rest: list[Incoming], handler: Callable[..., Any],
+                   info: Any, now: float) -> list[Incoming]:
+        """The stored messages right after ``head`` that can share its transaction: consecutive numbers of an
+        in-order sequence, never tried before, for the same handler, none a WS-RM 1.0 LastMessage."""
+        if head.attempts or not rest:
+            return []
+        with self._mutex:
+            record = self.ensure(head.identifier).record
+        if not record.in_order:
+            return []
+        batch: list[Incoming] = []
+        expected = head.number + 1
+        for m in rest:
+            if m.number != expected or m.attempts or m.not_before > now or m.payload is None \
+                    or ranges.contains(record.delivered, m.number) or self.node.handler_for(m, info) is not handler:
+                break
+            batch.append(m)
+            expected += 1
+        return batch
+
+    def _delivered_record(self, identifier: str, numbers: list[int]) -> InvokerRecord:
+        """The invoker record once ``numbers`` (consecutive, the first one in flight) are delivered."""
         with self._mutex:
             probe = InvokerBuffer(self.ensure(identifier).record)
-        probe.handle(DeliveryCommitted(number))
+        for number in numbers:
+            if number not in probe.record.in_flight:
+                probe = InvokerBuffer(replace(probe.record, in_flight=(*probe.record.in_flight, number)))
+            probe.handle(DeliveryCommitted(number))
         return replace(probe.record, in_flight=(), stored=(), final=None)
 
-    def _apply(self, handler: Callable[..., Any], message: Incoming) -> None:
+    def _apply(self, handler: Callable[..., Any], messages: list[Incoming]) -> None:
+        """One global transaction: for each message its dequeue, its handler, its reply; then the record.
+        Several messages share it only as a whole: all their effects commit together or none does."""
         node = self.node
-        record = self._delivered_record(message.identifier, message.number)
+        identifier = messages[0].identifier
+        record = self._delivered_record(identifier, [m.number for m in messages])
         with node.manager.transaction() as tx:
             if node.inbound_mode == "xa":
                 session: Any = tx.connection(node.settings.store)
-                if not self.store.consume(session, message.identifier, message.number):
-                    raise _AlreadyApplied()
             else:
                 session = Buffered(self.store)
-                session.record("consume", message.identifier, message.number)
                 tx.on_commit(session.replay)
-            result = handler(tx, message)
-            reply = self._reply(message, result)
+            for message in messages:
+                if isinstance(session, Buffered):
+                    session.record("consume", message.identifier, message.number)
+                elif not self.store.consume(session, message.identifier, message.number):
+                    raise _AlreadyApplied()
+                reply = self._reply(message, handler(tx, message))
+                if reply is not None:
+                    self._write(session, "enqueue", reply)
+                    tx.on_commit(node.sender.wake.set)
             self._write(session, "save_invoker", record)
-            if reply is not None:
-                self._write(session, "enqueue", reply)
-                tx.on_commit(node.sender.wake.set)
         failpoint("after_apply_before_ack")
-        node.metrics.delivered.inc()
-        node.metrics.latency.observe(max(0.0, time.time() - (message.enqueued_at or message.received_at)))
-        self._committed(message.identifier, message.number)
+        now = time.time()
+        for message in messages:
+            node.metrics.delivered.inc()
+            node.metrics.latency.observe(max(0.0, now - (message.enqueued_at or message.received_at)))
+        self._committed(identifier, messages[0].number, [m.number for m in messages[1:]])
 
     def _write(self, session: Any, method: str, *args: Any) -> None:
         if isinstance(session, Buffered):
@@ -295,12 +338,29 @@ class Invoker:
                         action=WSA_FAULT_ACTION[wsa] if fault is not None else message.action + "Response",
                         payload=result, enqueued_at=now, relates_to=message.message_id, fault=fault)
 
-    def _committed(self, identifier: str, number: int) -> None:
+    def _committed(self, identifier: str, number: int, following: list[int] | None = None) -> None:
+        """``number`` (in flight) and the ``following`` numbers of its batch are applied."""
+        done = set(following or ())
+        actions: list[Any] = []
         with self._mutex:
             machine = self.ensure(identifier)
             if number not in machine.record.in_flight:
                 return
-            actions = machine.handle(DeliveryCommitted(number))
+            pending = list(machine.handle(DeliveryCommitted(number)))
+            while pending:
+                action = pending.pop(0)
+                if isinstance(action, Deliver) and action.identifier == identifier and action.number in done:
+                    done.discard(action.number)  # handed out by the machine, applied already by the batch
+                    pending.extend(machine.handle(DeliveryCommitted(action.number)))
+                else:
+                    actions.append(action)
+            for extra in sorted(done):
+                # Applied by the batch before the receiver's MessageStored for it reached this machine (the
+                # store commit comes first): hand it out now so that the commit is legal in the machine.
+                machine = self._machines[identifier] = InvokerBuffer(replace(
+                    machine.record, stored=ranges.add(machine.record.stored, extra),
+                    in_flight=(*machine.record.in_flight, extra)))
+                actions.extend(machine.handle(DeliveryCommitted(extra)))
         self._dispatch(actions)
 
     def _abort(self, identifier: str, number: int, at: float) -> None:
@@ -329,7 +389,7 @@ class Invoker:
         self._abort(message.identifier, message.number, at=now + delay)
 
     def _dead_letter(self, message: Incoming, error: str, now: float) -> None:
-        record = self._delivered_record(message.identifier, message.number)
+        record = self._delivered_record(message.identifier, [message.number])
         fault = None if message.fault is not None else self._reply(message, None, fault=error[:1000])
         with self.store.local() as s:
             self.store.dead_letter(s, message, error, now)
@@ -345,7 +405,7 @@ class Invoker:
 
     def _finish_without_handler(self, message: Incoming) -> None:
         """WS-RM 1.0's empty LastMessage: consumed, never shown to a handler."""
-        record = self._delivered_record(message.identifier, message.number)
+        record = self._delivered_record(message.identifier, [message.number])
         with self.store.local() as s:
             self.store.consume(s, message.identifier, message.number)
             self.store.save_invoker(s, record)

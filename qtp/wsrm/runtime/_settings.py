@@ -38,6 +38,8 @@ class Limits:
     - ``inactivity_timeout``: an inbound sequence silent this long is ended (seconds).
     - ``ended_retention``: an ended inbound sequence is remembered this long (late messages get
       SequenceTerminated rather than UnknownSequence), then forgotten.
+    - ``invoker_batch``: consecutive messages of one sequence applied in one global transaction (all or
+      none; a batch that fails is applied again one message per transaction).
     - ``sender_threads`` / ``invoker_threads`` / ``http_threads``: worker threads.
     """
 
@@ -55,6 +57,7 @@ class Limits:
     sequence_max_messages: int = MAX_MESSAGE_NUMBER
     inactivity_timeout: float = 24 * 3600.0
     ended_retention: float = 3600.0
+    invoker_batch: int = 32
     sender_threads: int = 8
     invoker_threads: int = 4
     http_threads: int = 16

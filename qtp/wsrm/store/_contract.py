@@ -200,8 +200,10 @@ class Store(abc.ABC):
         """Store an accepted message; False (and nothing changes) when it is already stored."""
 
     @abc.abstractmethod
-    def incoming(self, s: Any, identifier: str | None = None, number: int | None = None) -> list[Incoming]:
-        """Stored messages not yet applied (of one sequence, or all; one number), by identifier then number."""
+    def incoming(self, s: Any, identifier: str | None = None, number: int | None = None,
+                 start: int | None = None, limit: int | None = None) -> list[Incoming]:
+        """Stored messages not yet applied (of one sequence, or all; one ``number``, or from ``start`` on, at
+        most ``limit``), by identifier then number."""
 
     @abc.abstractmethod
     def consume(self, s: Any, identifier: str, number: int) -> bool:

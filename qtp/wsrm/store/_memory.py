@@ -115,11 +115,14 @@ class MemoryStore(Store):
         s.incoming[key] = message
         return True
 
-    def incoming(self, s: _Data, identifier: str | None = None, number: int | None = None) -> list[Incoming]:
+    def incoming(self, s: _Data, identifier: str | None = None, number: int | None = None,
+                 start: int | None = None, limit: int | None = None) -> list[Incoming]:
         if identifier is not None and number is not None:
             found = s.incoming.get((identifier, number))
             return [] if found is None else [found]
-        return [m for key, m in sorted(s.incoming.items()) if identifier is None or key[0] == identifier]
+        chosen = [m for key, m in sorted(s.incoming.items())
+                  if (identifier is None or key[0] == identifier) and (start is None or key[1] >= start)]
+        return chosen if limit is None else chosen[:limit]
 
     def consume(self, s: _Data, identifier: str, number: int) -> bool:
         return s.incoming.pop((identifier, number), None) is not None

@@ -229,12 +229,17 @@ class SqlStore(Store):
         s.execute(incoming.insert(), {f: getattr(message, f) for f in _INCOMING_FIELDS})
         return True
 
-    def incoming(self, s: Connection, identifier: str | None = None, number: int | None = None) -> list[Incoming]:
+    def incoming(self, s: Connection, identifier: str | None = None, number: int | None = None,
+                 start: int | None = None, limit: int | None = None) -> list[Incoming]:
         query = incoming.select().order_by(incoming.c.identifier, incoming.c.number)
         if identifier is not None:
             query = query.where(incoming.c.identifier == identifier)
         if number is not None:
             query = query.where(incoming.c.number == number)
+        if start is not None:
+            query = query.where(incoming.c.number >= start)
+        if limit is not None:
+            query = query.limit(limit)
         return [_incoming(row) for row in s.execute(query)]
 
     def consume(self, s: Connection, identifier: str, number: int) -> bool:
