@@ -53,24 +53,44 @@ def _fresh(server, name: str) -> str:
     return url
 
 
-def _measure(server_url: str, total: int, began: float, timeout: float) -> dict:
-    """Poll the server's applied count; rate between 10 % and 90 % applied; latency of every message."""
-    marks: dict[float, float] = {}
+def _measure(server_url: str, client_url: str, total: int, began: float, timeout: float,
+             metrics: str | None = None) -> dict:
+    """Poll the stages: orders committed at the client (the sending transactions), messages stored at the
+    server (qtp: its received counter), messages applied. Each stage's rate is taken between 10 % and 90 %
+    of the messages; latency is every message's enqueue-to-apply time."""
+    stages = {"sent": lambda: rows(client_url, "SELECT COUNT(*) FROM orders")[0][0],
+              "applied": lambda: rows(server_url, "SELECT COUNT(*) FROM applied")[0][0]}
+    if metrics:
+        stages["stored"] = lambda: _counter(metrics, "qtp_messages_received_total")
+    marks: dict[tuple[str, float], float] = {}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        n = rows(server_url, "SELECT COUNT(*) FROM applied")[0][0]
+        counts = {name: read() for name, read in stages.items()}
         now = time.monotonic()
-        for share in (0.1, 0.9):
-            if share not in marks and n >= share * total:
-                marks[share] = now
-        if n >= total:
+        for name, n in counts.items():
+            for share in (0.1, 0.9):
+                if (name, share) not in marks and n >= share * total:
+                    marks[name, share] = now
+        if counts["applied"] >= total:
             break
         time.sleep(0.05)
     latencies = sorted(v for (v,) in rows(server_url, "SELECT lat_ms FROM applied") if v is not None)
-    applied = len(latencies)
-    rate = 0.8 * total / (marks[0.9] - marks[0.1]) if 0.9 in marks and 0.1 in marks and marks[0.9] > marks[0.1] else 0
-    return {"applied": applied, "rate": round(rate, 1), "elapsed_s": round(time.monotonic() - began, 2),
-            "p50_ms": round(_pct(latencies, 0.5), 1), "p99_ms": round(_pct(latencies, 0.99), 1)}
+    result = {"applied": len(latencies), "elapsed_s": round(time.monotonic() - began, 2),
+              "p50_ms": round(_pct(latencies, 0.5), 1), "p99_ms": round(_pct(latencies, 0.99), 1)}
+    for name in stages:
+        low, high = marks.get((name, 0.1)), marks.get((name, 0.9))
+        rate = 0.8 * total / (high - low) if low is not None and high is not None and high > low else 0.0
+        result["rate" if name == "applied" else f"{name}_rate"] = round(rate, 1)
+    return result
+
+
+def _counter(url: str, name: str) -> float:
+    try:
+        text_ = requests.get(url, timeout=2).text
+    except requests.RequestException:
+        return 0.0
+    line = next((x for x in text_.splitlines() if x.startswith(name + "{")), None)
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -93,7 +113,8 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
     began = time.monotonic()
     client.start()
     try:
-        return _measure(server_app, messages, began, timeout=600)
+        metrics = f"http://127.0.0.1:{pair.server_port}/metrics"
+        return _measure(server_app, client_app, messages, began, timeout=600, metrics=metrics)
     finally:
         client.stop()
         server.stop()
@@ -120,7 +141,7 @@ def run_outbox(pg, maria, folder: Path, messages: int, threads: int, tag: str) -
     for t in senders:
         t.start()
     try:
-        return _measure(server_url, messages, began, timeout=600)
+        return _measure(server_url, client_url, messages, began, timeout=600)
     finally:
         stop.set()
         relay.join(10)
@@ -211,6 +232,8 @@ def summarise(results: list[dict]) -> dict:
             runs = [r for r in results if r["threads"] == threads and r["variant"] == variant]
             if runs:
                 row[variant] = {"rate": statistics.median(r["rate"] for r in runs),
+                                "sent_rate": statistics.median(r["sent_rate"] for r in runs),
+                                "stored_rate": statistics.median(r.get("stored_rate", 0.0) for r in runs),
                                 "p50_ms": statistics.median(r["p50_ms"] for r in runs),
                                 "p99_ms": statistics.median(r["p99_ms"] for r in runs)}
         if "c" in row and row["c"]["rate"]:
@@ -219,7 +242,8 @@ def summarise(results: list[dict]) -> dict:
                     row[variant]["ratio_to_c"] = round(row[variant]["rate"] / row["c"]["rate"], 2)
         summary[threads] = row
         print(f"{threads:2d} thread(s): " + "  ".join(
-            f"({v}) {x['rate']:7.1f} msg/s p50 {x['p50_ms']:6.1f} ms p99 {x['p99_ms']:7.1f} ms"
+            f"({v}) {x['rate']:7.1f} msg/s (sent {x['sent_rate']:.0f}, stored {x['stored_rate']:.0f}) "
+            f"p50 {x['p50_ms']:6.1f} ms p99 {x['p99_ms']:7.1f} ms"
             + (f" = {x['ratio_to_c']:.2f}x (c)" if "ratio_to_c" in x else "") for v, x in row.items()))
     return summary
 

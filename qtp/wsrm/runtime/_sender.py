@@ -117,6 +117,7 @@ class Sender:
         self._pool = ThreadPoolExecutor(self.limits.sender_threads, thread_name_prefix="qtp-send")
         self._fill_lock = threading.Lock()
         self._stale: set[str] = set()  # sequences whose last store transaction ended with an error
+        self._acks: dict[str, SequenceAcknowledgement] = {}  # newest acknowledgement per identifier, unapplied
         self.wake = threading.Event()
 
     # ------------------------------------------------------------------ start-up
@@ -164,7 +165,12 @@ class Sender:
     # ------------------------------------------------------------------ the periodic work
 
     def tick(self, now: float) -> float | None:
-        """Number and send new messages, fire due timers; return when the next timer is due."""
+        """Apply waiting acknowledgements, number and send new messages, fire due timers; return when the
+        next timer is due."""
+        try:
+            self._apply_acks(now)
+        except (QtpError, SQLAlchemyError) as exc:  # the store is down: the peer acknowledges again later
+            log.warning("acknowledgements not applied now: %s", exc)
         with self._fill_lock:
             for route in [*self.node.channels, *self._offer_routes]:
                 try:
@@ -467,8 +473,25 @@ class Sender:
             log.info("peer answered with a fault: %s", body.reason)
 
     def on_acks(self, acks: tuple[SequenceAcknowledgement, ...]) -> None:
-        now = time.time()
-        for ack in acks:
+        """Acknowledgements are set unions, so only the newest per sequence matters: they are kept here and
+        applied by the next tick, one store transaction per sequence for however many arrived meanwhile
+        (instead of one per HTTP response). Losing them in a crash only means retransmissions."""
+        with self._mutex:
+            for ack in acks:
+                known = self._acks.get(ack.identifier)
+                if known is not None and not ack.final and not ack.nacks and not known.nacks and \
+                        ranges.union(known.ranges, ack.ranges) == ack.ranges:
+                    self._acks[ack.identifier] = ack  # covers what was waiting
+                elif known is None:
+                    self._acks[ack.identifier] = ack
+                else:
+                    self._acks[ack.identifier] = _merge(known, ack)
+        self.wake.set()
+
+    def _apply_acks(self, now: float) -> None:
+        with self._mutex:
+            waiting, self._acks = self._acks, {}
+        for ack in waiting.values():
             self._by_identifier(ack.identifier, AckReceived(ack, now))
 
     def _by_identifier(self, identifier: str, event: Any) -> None:
@@ -495,3 +518,12 @@ class Sender:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _merge(a: SequenceAcknowledgement, b: SequenceAcknowledgement) -> SequenceAcknowledgement:
+    """Two acknowledgements of one sequence as one: the union of their ranges (Nacks and None carry no
+    ranges; a Final one stays final)."""
+    merged = ranges.union(a.ranges, b.ranges)
+    if not merged:
+        return b
+    return SequenceAcknowledgement(b.identifier, ranges=merged, final=a.final or b.final)
