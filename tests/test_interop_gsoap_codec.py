@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from qtp.wsrm.codec import InvalidMessage, SoapFault, SoapVersion, WsaVersion, decode
+from qtp.wsrm.codec import Addressing, Envelope, InvalidMessage, SoapFault, SoapVersion, WsaVersion, decode, encode
 from qtp.wsrm.protocol import (
     AckReceived,
     AcceptMessage,
@@ -30,6 +30,7 @@ from qtp.wsrm.protocol import (
     MessageReceived,
     RMVersion,
     SendRequested,
+    SequenceAcknowledgement,
     SequenceFault,
     SourceRecord,
     SourceSequence,
@@ -38,6 +39,7 @@ from qtp.wsrm.protocol import (
     TerminateSequence,
     TerminateSequenceResponse,
 )
+from qtp.wsrm.runtime._transport import wire
 
 DATA = Path(__file__).resolve().parent / "data" / "interop" / "gsoap"
 COMBINATIONS = {
@@ -255,3 +257,18 @@ def test_payloads_keep_gsoap_unqualified_child_elements() -> None:
     message = _decode("rm11-soap11", "02-normal-message1.request.xml")
     assert message.payload is not None and b"<text>message-1</text>" in message.payload
     assert isinstance(message.body, type(None)) and not isinstance(message.body, SoapFault)
+
+
+@pytest.mark.parametrize("soap", list(SoapVersion))
+def test_the_node_writes_an_empty_body_with_an_end_tag_because_gsoap_cannot_read_a_self_closed_one(soap):
+    """D13: gSOAP 2.8.124 fails with SOAP_TAG_MISMATCH on ``<S:Body/>`` in the answer to a one-way message
+    (an acknowledgement-only answer); the node writes ``<S:Body></S:Body>``, the same XML."""
+    ack = SequenceAcknowledgement("urn:uuid:s", ((1, 3),))
+    envelope = Envelope(soap, RMVersion.WSRM11, WsaVersion.WSA200508, acks=(ack,),
+                        addressing=Addressing(action="http://docs.oasis-open.org/ws-rx/wsrm/200702/SequenceAcknowledgement"))
+    assert encode(envelope).endswith(b"<S:Body/></S:Envelope>")
+    assert wire(envelope).endswith(b"<S:Body></S:Body></S:Envelope>")
+    assert decode(wire(envelope)) == decode(encode(envelope))
+    with_body = Envelope(soap, RMVersion.WSRM11, WsaVersion.WSA200508, addressing=Addressing(action="urn:a"),
+                         payload=b"<p/>")
+    assert wire(with_body) == encode(with_body)

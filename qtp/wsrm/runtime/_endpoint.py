@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from sqlalchemy.exc import SQLAlchemyError
 
 from qtp.errors import QtpError
-from qtp.wsrm.codec import Addressing, Envelope, InvalidMessage, SoapFault, SoapVersion, WsaVersion, decode, encode
+from qtp.wsrm.codec import Addressing, Envelope, InvalidMessage, SoapFault, SoapVersion, WsaVersion, decode
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION
-from qtp.wsrm.runtime._transport import content_type, soap_version_of
+from qtp.wsrm.runtime._transport import content_type, soap_version_of, wire
 
 if TYPE_CHECKING:
     from qtp.wsrm.runtime._node import Node
@@ -97,7 +97,7 @@ class Endpoint:
 
     @staticmethod
     def _respond(start_response: StartResponse, envelope: Envelope, status: int) -> list[bytes]:
-        body = encode(envelope)
+        body = wire(envelope)
         start_response(_REASONS[status], [("Content-Type", content_type(envelope.soap, envelope.addressing.action)),
                                           ("Content-Length", str(len(body)))])
         return [body]

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import sqlalchemy
 
 from qtp.errors import BacklogFullError, ConfigurationError
-from qtp.wsrm.codec import Addressing, Envelope, WsaVersion, anonymous, check_payload, encode
+from qtp.wsrm.codec import Addressing, Envelope, WsaVersion, anonymous, check_payload
 from qtp.wsrm.codec._names import action as rm_action
 from qtp.wsrm.protocol import RMVersion, SequenceAcknowledgement
 from qtp.wsrm.runtime._endpoint import Endpoint
@@ -39,7 +39,7 @@ from qtp.wsrm.runtime._metrics import Metrics
 from qtp.wsrm.runtime._receiver import Receiver, new_message_id
 from qtp.wsrm.runtime._sender import Sender
 from qtp.wsrm.runtime._settings import ChannelSettings, Limits, NodeSettings, check, node_settings
-from qtp.wsrm.runtime._transport import Transport, TransportError
+from qtp.wsrm.runtime._transport import Transport, TransportError, wire
 from qtp.wsrm.store import Buffered, DestinationInfo, MemoryStore, Outgoing, SqlStore, Store
 
 log = logging.getLogger("qtp.wsrm.node")
@@ -259,7 +259,7 @@ class Node:
 
         def post() -> None:
             try:
-                self.transport.post(info.acks_to or "", encode(envelope), envelope.soap, envelope.addressing.action)
+                self.transport.post(info.acks_to or "", wire(envelope), envelope.soap, envelope.addressing.action)
             except TransportError as exc:
                 log.debug("acknowledgement to %s not delivered (the source will ask again): %s", info.acks_to, exc)
 

@@ -41,7 +41,6 @@ from qtp.wsrm.codec import (
     anonymous,
     decode,
     default_action,
-    encode,
 )
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION, action
 from qtp.wsrm.protocol import (
@@ -83,7 +82,7 @@ from qtp.wsrm.protocol import (
     Transmit,
 )
 from qtp.wsrm.protocol import _ranges as ranges
-from qtp.wsrm.runtime._transport import TransportError
+from qtp.wsrm.runtime._transport import TransportError, wire
 from qtp.wsrm.store import Outgoing, SourceInfo, Store
 
 if TYPE_CHECKING:
@@ -440,7 +439,7 @@ class Sender:
 
     def _exchange(self, key: str, info: SourceInfo, envelope: Envelope) -> None:
         try:
-            reply = self.node.transport.post(info.peer, encode(envelope), envelope.soap, envelope.addressing.action)
+            reply = self.node.transport.post(info.peer, wire(envelope), envelope.soap, envelope.addressing.action)
         except TransportError as exc:
             log.debug("%s", exc)
             return

@@ -16,7 +16,7 @@ import tenacity
 from requests.adapters import HTTPAdapter
 
 from qtp.errors import QtpError
-from qtp.wsrm.codec import SoapVersion
+from qtp.wsrm.codec import Envelope, SoapVersion, encode
 
 log = logging.getLogger("qtp.wsrm.transport")
 
@@ -31,6 +31,22 @@ def content_type(soap: SoapVersion, action: str | None) -> str:
     if soap is SoapVersion.SOAP12 and action:
         return f'{CONTENT_TYPE[soap]}; action="{action}"'
     return CONTENT_TYPE[soap]
+
+
+_EMPTY_BODY = b"<S:Body/></S:Envelope>"
+
+
+def wire(envelope: Envelope) -> bytes:
+    """``envelope`` as the node sends it: encoded, with an empty Body written ``<S:Body></S:Body>``.
+
+    Both spellings are the same XML, but gSOAP 2.8 fails to read a self-closed Body (SOAP_TAG_MISMATCH) in
+    the answer to a one-way message, in a SequenceAcknowledgement or AckRequested it receives, ... (see
+    docs/interop.md, D13); the codec keeps writing ``<S:Body/>`` (as lxml does) for everything else.
+    """
+    data = encode(envelope)
+    if data.endswith(_EMPTY_BODY):
+        return data[:-len(_EMPTY_BODY)] + b"<S:Body></S:Body></S:Envelope>"
+    return data
 
 
 def soap_version_of(content_type_header: str | None) -> SoapVersion | None:
