@@ -368,9 +368,11 @@ class Sender:
         return Envelope(soap=SoapVersion(info.soap), rm=rm, wsa=wsa, addressing=addressing, **fields)
 
     def _addressing(self, info: SourceInfo, act: str, message_id: str | None = None,
-                    relates_to: str | None = None) -> Addressing:
+                    relates_to: str | None = None, back_channel: bool = False) -> Addressing:
+        """``back_channel``: the answer is read from the HTTP response, so ReplyTo says anonymous (a peer that
+        honours a non-anonymous ReplyTo, such as gSOAP, would otherwise POST it to our endpoint instead)."""
         wsa = WsaVersion(info.wsa)
-        reply_to = self.node.endpoint or anonymous(wsa)
+        reply_to = anonymous(wsa) if back_channel else self.node.endpoint or anonymous(wsa)
         return Addressing(action=act, to=info.peer, message_id=message_id or f"urn:uuid:{uuid.uuid4()}",
                           relates_to=relates_to, reply_to=reply_to)
 
@@ -423,10 +425,15 @@ class Sender:
         else:
             request = self._ack_request(machine.record, a.identifier) if machine is not None else AckRequested(a.identifier)
             envelope = self._envelope(info, key=key, ack_requests=(request,),
-                                      addressing=self._addressing(info, action(rm, "AckRequested")))
+                                      addressing=self._addressing(info, action(rm, "AckRequested"),
+                                                                  back_channel=True))
             self._exchange(key, info, envelope)
             return
-        envelope = self._envelope(info, key=key, body=body, addressing=self._addressing(info, "", message_id))
+        # A CreateSequence with an Offer keeps ReplyTo = our endpoint: a WS-RM 1.0 Offer names no endpoint, so
+        # the peer sends the replies there.
+        back = not (isinstance(a, SendCreateSequence) and a.offer_identifier is not None)
+        envelope = self._envelope(info, key=key, body=body, addressing=self._addressing(info, "", message_id,
+                                                                                         back_channel=back))
         envelope = replace(envelope, addressing=replace(envelope.addressing, action=default_action(envelope)))
         self._exchange(key, info, envelope)
 
