@@ -120,10 +120,13 @@ http_timeout = 5
 
 
 class NodeProcess:
-    """``qtp serve --app qtp.testing.e2e_app:node`` for one config; ``start``, ``kill`` (SIGKILL), ``stop``."""
+    """``qtp serve --app qtp.testing.e2e_app:node`` (or another ``app``) for one config; ``start``, ``kill``
+    (SIGKILL), ``stop``."""
 
-    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None):
+    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None,
+                 app: str = "qtp.testing.e2e_app:node"):
         self.config = config
+        self.app = app
         self.log = log
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
@@ -133,7 +136,7 @@ class NodeProcess:
     def start(self, timeout: float = 60.0) -> "NodeProcess":
         env = dict(os.environ, QTP_TEST_CONFIG=str(self.config), **self.env)
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "qtp", "serve", "--app", "qtp.testing.e2e_app:node"],
+            self.proc = subprocess.Popen([sys.executable, "-m", "qtp", "serve", "--app", self.app],
                                          env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -106,6 +106,12 @@ class ClientResult:
         """Message numbers the client sent and got an HTTP answer for, in order."""
         return [int(values["number"]) for name, values in self.events if name == "SENT"]
 
+    @classmethod
+    def of(cls, returncode: int, stdout: str, stderr: str) -> ClientResult:
+        """The result of a client run from its exit code and output (for tests that start it themselves)."""
+        events = tuple(event for line in stdout.splitlines() if (event := _parse_event(line)) is not None)
+        return cls(returncode, events, stdout, stderr)
+
     def named(self, name: str) -> list[dict[str, str]]:
         """Every event of one kind (START, CREATED, SENT, CLOSED, RESENT, TERMINATED, ERROR, EXIT)."""
         return [values for event, values in self.events if event == name]
@@ -137,8 +143,7 @@ def run_client(url: str, *, rm: str = "1.1", soap: str = "1.1", count: int = 3, 
     command = client_command(url, rm=rm, soap=soap, count=count, prefix=prefix, rounds=rounds, tries=tries,
                              timeout=timeout, pause_ms=pause_ms, expires_ms=expires_ms)
     done = subprocess.run(command, capture_output=True, text=True, timeout=deadline)
-    events = tuple(event for line in done.stdout.splitlines() if (event := _parse_event(line)) is not None)
-    return ClientResult(done.returncode, events, done.stdout, done.stderr)
+    return ClientResult.of(done.returncode, done.stdout, done.stderr)
 
 
 # --------------------------------------------------------------------------------------------- server
