@@ -180,7 +180,7 @@ def test_gsoap_client_to_qtp_node_sigkilled_mid_sequence(app_db, qtp_node, rm):
             wait_until(lambda: len(_delivered(app)) >= at, 60, f"{at} applied messages")
             node.kill()
             node.start()
-        stdout, stderr = client.communicate(timeout=180)
+        stdout, stderr = client.communicate(timeout=420)  # WS-RM 1.0: gSOAP retries its LastMessage (D14)
     finally:
         if client.poll() is None:
             client.kill()
