@@ -11,18 +11,18 @@ import itertools
 import pytest
 from interop.gsoap_peer import GsoapServer, RecordingProxy, post, run_client
 
+from qtp.embedded import free_port
 from qtp.wsrm.codec import Addressing, Envelope, SoapVersion, WsaVersion, decode, encode
 from qtp.wsrm.protocol import AckRequested, FaultCode, RMVersion, Sequence, SequenceFault
 
 COMBINATIONS = list(itertools.product(("1.1", "1.0"), ("1.1", "1.2")))
-_ports = itertools.count(47200, 2)
 
 
 @pytest.mark.parametrize(("rm", "soap"), COMBINATIONS, ids=[f"rm{r}-soap{s}" for r, s in COMBINATIONS])
 @pytest.mark.parametrize("loss", [None, "swallow", "response"])
 def test_gsoap_client_to_gsoap_server_delivers_each_message_once_in_order(rm: str, soap: str,
                                                                           loss: str | None) -> None:
-    port = next(_ports)
+    port = free_port()
     lost: list[int] = []
 
     def drop(index: int, body: bytes) -> str | None:
@@ -31,7 +31,7 @@ def test_gsoap_client_to_gsoap_server_delivers_each_message_once_in_order(rm: st
             return loss
         return None
 
-    with GsoapServer(port, rm) as server, RecordingProxy(port + 1, server.url, drop=drop) as proxy:
+    with GsoapServer(port, rm) as server, RecordingProxy(free_port(), server.url, drop=drop) as proxy:
         result = run_client(proxy.url, rm=rm, soap=soap, count=4, rounds=3, pause_ms=50, timeout=3)
         delivered = server.deliveries()
     assert [(d.number, d.text) for d in delivered] == [(n, f"message-{n}") for n in range(1, 5)], result.stdout
@@ -56,7 +56,7 @@ def test_gsoap_client_to_gsoap_server_delivers_each_message_once_in_order(rm: st
 @pytest.mark.parametrize("mode", ["check", "empty"])
 @pytest.mark.parametrize("rm", ["1.1", "1.0"])
 def test_gsoap_server_faults_a_message_for_an_unknown_sequence_only_in_check_mode(rm: str, mode: str) -> None:
-    port = next(_ports)
+    port = free_port()
     version = RMVersion(rm)
     envelope = Envelope(SoapVersion.SOAP11, version, WsaVersion.WSA200508,
                         Addressing(action="urn:qtp:interop:gsoap/deliver", to=f"http://127.0.0.1:{port}/",
