@@ -9,20 +9,28 @@
     │   ├── NestedTransactionError        qtp.transaction() inside another one on the same thread
     │   ├── TransactionStateError         enlisting after prepare, using a finished transaction
     │   ├── TransactionTimeoutError       the transaction outlived its timeout before prepare
-    │   ├── RollbackError                 the transaction was rolled back (a branch voted no or failed)
+    │   ├── RollbackError                 the transaction was rolled back (a branch voted no or failed);
+    │   │                                 retryable when its cause is
     │   └── OutcomeUnknownError           qtp cannot tell yet whether it committed; recovery will decide
     ├── ResourceError                     a database or driver failed; driver exceptions are wrapped here
     │   ├── ResourceUnavailableError      could not connect, connection lost (retryable)
+    │   ├── ConflictError                 serialization failure or deadlock: the database rolled the branch
+    │   │                                 back (retryable)
     │   ├── PrepareRefusedError           the database cannot prepare (max_prepared_transactions = 0, ...)
     │   └── ConnectionClosedError         a connection used outside the transaction that owns it
-    ├── LogError                          the decision log
+    ├── LogError                          the decision log (also: a failed log refuses new transactions)
     │   ├── LogLockedError                another live manager holds the log directory
+    │   │   └── LiveManagerError          `qtp recover` asked to act beside the node's live manager
     │   └── LogCorruptError               a damaged record that is not a torn tail (names file and offset)
-    ├── RecoveryError                     in-doubt resolution could not finish
-    │   └── HeuristicError                a branch was resolved by hand against the logged decision
+    ├── FailpointError                    a failpoint configured to fail fired (tests and crash campaigns)
+    ├── ReconcileError                    the Spark reconciliation job failed; retryable per cause
     ├── WsrmFault                         a WS-ReliableMessaging fault; .code is its wire fault code
-    └── MessagingError                    the queue runtime (qtp.wsrm.runtime)
-        └── BacklogFullError              tx.send on a channel whose unacknowledged backlog is full (retryable)
+    │   └── InvalidMessage                input that is not a usable WS-RM/SOAP envelope (qtp.wsrm.codec)
+    └── MessagingError                    the queue runtime (qtp.wsrm)
+        ├── BacklogFullError              tx.send on a channel whose unacknowledged backlog is full (retryable)
+        ├── TransportError                the peer could not be reached or did not answer (retryable)
+        ├── ProtocolError                 an event a WS-RM state machine does not allow; the sequence failed
+        └── EncodingError                 an envelope the chosen WS-RM/SOAP version cannot express (a bug)
 
 Lower-layer exceptions are translated where qtp meets the driver, with ``raise ... from exc``.
 """
@@ -61,9 +69,15 @@ class TransactionTimeoutError(TransactionError):
 
 
 class RollbackError(TransactionError):
-    """The transaction was rolled back instead of committed; ``__cause__`` holds the reason."""
+    """The transaction was rolled back instead of committed; ``__cause__`` holds the reason.
 
-    retryable = True
+    ``retryable`` is the cause's: True after a lost connection or a conflict (serialization failure,
+    deadlock), False after, say, a constraint violation or a prepare the database refuses.
+    """
+
+    @property
+    def retryable(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.__cause__, "retryable", False))
 
 
 class OutcomeUnknownError(TransactionError):
@@ -84,6 +98,14 @@ class ResourceUnavailableError(ResourceError):
     retryable = True
 
 
+class ConflictError(ResourceError):
+    """The database rolled the branch back to resolve a conflict with another transaction (SQLSTATE class
+    40 on PostgreSQL: serialization failure, deadlock; MariaDB's deadlock and XA rollback-only codes).
+    A certain abort: running the whole transaction again can succeed."""
+
+    retryable = True
+
+
 class PrepareRefusedError(ResourceError):
     """The database refuses to prepare this branch; the message says which setting or statement is at fault."""
 
@@ -100,16 +122,28 @@ class LogLockedError(LogError):
     """Another live transaction manager holds this log directory."""
 
 
+class LiveManagerError(LogLockedError):
+    """``qtp recover`` was asked to act on a node whose live manager holds the log."""
+
+
 class LogCorruptError(LogError):
     """A record inside the log (not a torn tail) fails its checksum; qtp refuses to guess."""
 
 
-class RecoveryError(QtpError):
-    """Recovery could not resolve every in-doubt branch."""
+class FailpointError(QtpError):
+    """Raised by a failpoint whose action is ``error`` (``qtp.coordinator.failpoints``)."""
 
 
-class HeuristicError(RecoveryError):
-    """A branch was committed or rolled back by hand against the logged decision."""
+class ReconcileError(QtpError):
+    """The Spark job failed while reading or classifying; the message names the step and the root cause.
+
+    ``retryable`` is True when the cause is transient (a database or executor connection lost, a timeout)
+    and False when running it again the same way fails the same way (a bad table, column or query).
+    """
+
+    def __init__(self, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class WsrmFault(QtpError):
@@ -122,6 +156,17 @@ class WsrmFault(QtpError):
         self.detail = detail
 
 
+class InvalidMessage(WsrmFault):
+    """Input that is not a usable WS-RM/SOAP envelope.
+
+    ``code`` is the wire fault code to answer with: a WS-RM subcode where the spec names one
+    (``InvalidAcknowledgement``, ``MessageNumberRollover``), else the SOAP code ``Sender`` (``Client`` in
+    SOAP 1.1), or ``MustUnderstand`` / ``VersionMismatch``. Retrying the same bytes cannot help.
+    """
+
+    retryable = False
+
+
 class MessagingError(QtpError):
     """The queue runtime could not do what was asked (``tx.send``, a handler's delivery, the endpoint)."""
 
@@ -130,3 +175,25 @@ class BacklogFullError(MessagingError):
     """``tx.send`` on a channel whose backlog is at ``[limits] max_backlog``: the peer is slow or down."""
 
     retryable = True
+
+
+class TransportError(MessagingError):
+    """The peer could not be reached or did not answer; the message stays queued and is retransmitted."""
+
+    retryable = True
+
+
+class ProtocolError(MessagingError):
+    """An event was not allowed in the state of a WS-RM state machine; the machine is now FAILED."""
+
+    retryable = False
+
+    def __init__(self, machine: str, state: str, event: str, why: str):
+        super().__init__(f"{machine} in state {state}: {event} is not allowed ({why})")
+        self.machine = machine
+        self.state = state
+        self.event = event
+
+
+class EncodingError(MessagingError, ValueError):
+    """qtp was asked to emit an envelope its version cannot express; a bug in the caller, never sent."""

@@ -2,9 +2,9 @@
 
 from qtp.coordinator._log import DecisionLog, LogState, lock_holder, read_log
 from qtp.coordinator._manager import TransactionManager, current, install, installed, transaction
-from qtp.coordinator._transaction import TRANSITIONS, Outcome, State, Transaction
+from qtp.coordinator._transaction import TRANSITIONS, Branch, Event, Outcome, State, Transaction
 
 __all__ = [
-    "TRANSITIONS", "DecisionLog", "LogState", "Outcome", "State", "Transaction", "TransactionManager", "current",
-    "install", "installed", "lock_holder", "read_log", "transaction",
+    "TRANSITIONS", "Branch", "DecisionLog", "Event", "LogState", "Outcome", "State", "Transaction",
+    "TransactionManager", "current", "install", "installed", "lock_holder", "read_log", "transaction",
 ]

@@ -12,6 +12,13 @@ Group commit. Concurrent committers append their records to one buffer; the firs
 becomes the leader, writes the whole buffer and calls ``fdatasync`` once, then wakes the others. One fsync
 thus carries the decisions of every transaction that arrived while the previous one ran.
 
+Made versus durable. A COMMIT record that has been appended to the buffer will reach the disk with the
+next flush, whoever runs it, so from the instant of the append the decision must be treated as made, even
+if its committer is interrupted while it waits: ``holds(gtrid)`` says whether a decision is appended
+(buffered, being written, or durable). ``open`` lists only durable decisions. A write or sync that fails,
+or is cut by an exception of any kind, fails the log for good: what reached the disk is then unknown,
+and only a recovery that reads the log afresh (after a restart) may act on it.
+
 Format. Segment files ``segment-NNNNNNNN.log``; each record is::
 
     u32 length of body | u32 crc32 of body | body = u8 type + JSON payload
@@ -42,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from qtp.coordinator.failpoints import failpoint
 from qtp.errors import LogCorruptError, LogError, LogLockedError
 
 log = logging.getLogger("qtp.coordinator")
@@ -163,7 +171,8 @@ class DecisionLog:
         self._open: dict[str, list[str]] = state.open
         self.recovered = state
         self._cond = threading.Condition()
-        self._pending: list[bytes] = []
+        self._pending: list[tuple[int, str, list[str] | None, bytes]] = []  # (kind, gtrid, branches, record)
+        self._writing: list[tuple[int, str, list[str] | None, bytes]] = []  # the batch a leader is writing
         self._appended = 0
         self._durable = 0
         self._flushing = False
@@ -219,35 +228,53 @@ class DecisionLog:
     def failed(self) -> bool:
         return self._failed is not None
 
+    @property
+    def failure(self) -> str | None:
+        """What made the log fail, or None."""
+        return None if self._failed is None else repr(self._failed)
+
     # ------------------------------------------------------------------ writing
 
     def log_commit(self, gtrid: str, branches: list[str]) -> None:
-        """Force the commit decision for ``gtrid`` to disk; returns once it is durable."""
-        record = encode_record(COMMIT, {"gtrid": gtrid, "branches": branches})
+        """Force the commit decision for ``gtrid`` to disk; returns once it is durable.
+
+        The decision counts as made from the append on (see ``holds``): an exception that interrupts the
+        wait leaves the record to the next flush.
+        """
+        entry = (COMMIT, gtrid, list(branches), encode_record(COMMIT, {"gtrid": gtrid, "branches": branches}))
         with self._cond:
-            self._open[gtrid] = branches
-            self._pending.append(record)
+            self._check_usable()
+            self._pending.append(entry)  # one operation: an interrupt leaves it either appended or not
             self._appended += 1
             ticket = self._appended
+            failpoint("decision_appended")
             if self._flushing:
                 self._cond.notify_all()  # a leader may be holding the batch open for us
             while self._durable < ticket:
-                if self._failed is not None:
-                    raise LogError(f"decision log {self._segment} cannot be written: {self._failed}") \
-                        from self._failed
+                self._check_usable()
                 if self._flushing:
                     self._cond.wait()
                 else:
                     self._lead_flush()
             self.forced_records += 1
 
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise LogError(f"decision log {self._segment} cannot be written: {self._failed}; restart the node "
+                           "so that recovery reads what reached the disk") from self._failed
+
+    def holds(self, gtrid: str) -> bool:
+        """Whether a COMMIT decision for ``gtrid`` is appended: buffered, being written, or durable."""
+        with self._cond:
+            return gtrid in self._open or any(
+                kind == COMMIT and g == gtrid for kind, g, _, _ in (*self._pending, *self._writing))
+
     def log_end(self, gtrid: str) -> None:
         """Note that every branch of ``gtrid`` committed. Unforced: it rides on the next flush."""
         with self._cond:
-            if self._open.pop(gtrid, None) is None:
-                return
-            self._pending.append(encode_record(END, {"gtrid": gtrid}))
-            self._appended += 1
+            if not self._failed and self.holds(gtrid):
+                self._pending.append((END, gtrid, None, encode_record(END, {"gtrid": gtrid})))
+                self._appended += 1
 
     def voting(self, delta: int) -> None:
         """The manager's note that a transaction started (+1) or finished (-1) asking its branches to vote."""
@@ -262,36 +289,54 @@ class DecisionLog:
         While other transactions are still voting, their decisions will arrive within a round trip: the
         leader holds the batch open for them, at most ``group_window_s`` (PostgreSQL's commit_delay with
         commit_siblings, in effect). A lone transaction never waits.
+
+        Whatever happens in here, an interrupt included, the leader's flag is cleared and the waiters are
+        woken on the way out; a write cut by any exception fails the log (the bytes on disk are unknown).
         """
         self._flushing = True
-        if self._voting > 0 and self.group_window_s > 0:
-            deadline = time.monotonic() + self.group_window_s
-            while self._voting > 0:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-        batch, self._pending = self._pending, []
-        upto = self._appended
-        self._cond.release()
-        error = None
         try:
-            data = b"".join(batch)
-            os.write(self._fd, data)
-            self._sync(self._fd)
-            self._size += len(data)
-        except OSError as exc:
-            error = exc
-        if error is None and self._size > self.segment_bytes:
-            self._try_checkpoint()
-        self._cond.acquire()
-        self._flushing = False
-        self.fsyncs += 1
-        if error is not None:
-            self._failed = error
-        else:
+            if self._voting > 0 and self.group_window_s > 0:
+                deadline = time.monotonic() + self.group_window_s
+                while self._voting > 0:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+            self._writing, self._pending = self._pending, []
+            upto = self._appended
+            self._cond.release()
+            try:
+                self._write(b"".join(entry[3] for entry in self._writing))
+            except BaseException as exc:  # the waiters see the failure and raise LogError
+                self._failed = exc
+                if not isinstance(exc, Exception):
+                    raise  # an interrupt goes on up once the flag is cleared
+                return
+            finally:
+                self._cond.acquire()
+            for kind, gtrid, branches, _ in self._writing:  # durable now: what recovery may act on
+                if kind == COMMIT:
+                    self._open[gtrid] = branches
+                else:
+                    self._open.pop(gtrid, None)
+            self._writing = []
             self._durable = upto
-        self._cond.notify_all()
+            if self._size > self.segment_bytes:
+                self._cond.release()
+                try:
+                    self._try_checkpoint()
+                finally:
+                    self._cond.acquire()
+        finally:
+            self._flushing = False
+            self.fsyncs += 1
+            self._cond.notify_all()
+
+    def _write(self, data: bytes) -> None:
+        failpoint("log_write")
+        os.write(self._fd, data)
+        self._sync(self._fd)
+        self._size += len(data)
 
     def _try_checkpoint(self) -> None:
         """A checkpoint is housekeeping: when it fails the log keeps growing in the current segment and
@@ -348,6 +393,73 @@ class DecisionLog:
     @property
     def decisions_per_fsync(self) -> float:
         return self.forced_records / self.fsyncs if self.fsyncs else 0.0
+
+
+# ---------------------------------------------------------------------- a log that was lost
+
+LOST_MARK = "LOG_LOST"
+
+
+def log_present(directory: Path | str) -> bool:
+    """True when the directory holds at least one log segment. A manager creates its first segment when
+    it opens the log, and a checkpoint writes the new segment before deleting old ones, so "no segment"
+    means the log was never created or has been lost."""
+    directory = Path(directory)
+    return directory.is_dir() and any(directory.glob("segment-*.log"))
+
+
+def read_lost_mark(directory: Path | str) -> dict | None:
+    """The lost-log mark: ``{"created_at": epoch seconds, "vetted": [resource names]}``, or None.
+
+    A manager that finds no log writes this mark, durably, *before* the log creates its first segment, so
+    that neither a crash in between nor a restart while a resource is unreachable can make the new log
+    look like the one that decided that resource's in-doubt branches. Recovery takes no presumed-abort
+    decision on a resource until it has been vetted (its in-doubt branches from before ``created_at`` put
+    in QUARANTINE); once every resource of the manager is vetted the mark is removed.
+    """
+    path = Path(directory) / LOST_MARK
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def write_lost_mark(directory: Path | str, mark: dict) -> None:
+    """Write the mark atomically and durably (temporary file, fsync, rename, fsync of the directory)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_durably(directory / LOST_MARK, json.dumps(mark).encode())
+
+
+def clear_lost_mark(directory: Path | str) -> None:
+    path = Path(directory) / LOST_MARK
+    if path.exists():
+        path.unlink()
+        _fsync_dir(path.parent)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def append_durably(path: Path, lines: list[str]) -> None:
+    """Append lines to a text file and make them durable (the file, and its directory entry when new)."""
+    new = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, "".join(line + "\n" for line in lines).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if new:
+        _fsync_dir(path.parent)
 
 
 def _fsync_dir(directory: Path) -> None:

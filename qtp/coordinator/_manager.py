@@ -1,8 +1,10 @@
-"""The transaction manager: resources by name, the decision log, the thread-local current transaction."""
+"""The transaction manager: resources by name, the decision log, the current transaction (a context variable:
+one per thread, and one per asyncio task)."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import math
 import os
@@ -16,16 +18,17 @@ from typing import Any, Callable, Iterator
 import tenacity
 from sqlalchemy.engine import Engine
 
-from qtp.coordinator._log import DecisionLog
-from qtp.coordinator._transaction import State, Transaction, run_each
+from qtp.coordinator._log import DecisionLog, log_present, read_lost_mark, write_lost_mark
+from qtp.coordinator._transaction import Branch, State, Transaction, run_each
 from qtp.errors import (
     ConfigurationError,
+    LogError,
     NestedTransactionError,
     NoTransactionError,
     QtpError,
     TransactionTimeoutError,
 )
-from qtp.xa import Resource, Xid, resource_for
+from qtp.xa import Resource, resource_for
 from qtp.xa._xid import MAX_NODE_ID, validate_name
 
 log = logging.getLogger("qtp.coordinator")
@@ -45,8 +48,6 @@ class TransactionManager:
     def __init__(self, node_id: str, log_dir: str | Path = DEFAULT_LOG_DIR, timeout: float = DEFAULT_TIMEOUT_S,
                  phase_two_retry_s: float = 30.0, max_workers: int = 32,
                  recovery_interval: float | None = DEFAULT_RECOVERY_INTERVAL_S):
-        from qtp.recovery._node import log_present
-
         self.node_id = validate_name("node id", node_id, MAX_NODE_ID)
         self.gtrid_prefix = f"{node_id}/".encode()  # a transaction's gtrid: this + 32 random hex digits
         if not math.isfinite(timeout) or timeout <= 0:
@@ -54,12 +55,15 @@ class TransactionManager:
         self.log_dir = Path(log_dir) / node_id
         self.timeout = float(timeout)
         self.phase_two_retry_s = phase_two_retry_s
-        self._log_was_missing = not log_present(self.log_dir)  # recovery must then not presume aborts
+        if read_lost_mark(self.log_dir) is None and not log_present(self.log_dir):
+            # Durable before the log creates its first segment: see read_lost_mark.
+            write_lost_mark(self.log_dir, {"created_at": time.time(), "vetted": []})
         self.log = DecisionLog(self.log_dir)
         self.recovery_interval = recovery_interval
         self._recovery: Any = None  # qtp.recovery.RecoveryService, started by start_recovery()
         self._resources: dict[str, Resource] = {}
-        self._local = threading.local()
+        self._current: contextvars.ContextVar[Transaction | None] = contextvars.ContextVar(
+            f"qtp_current_{node_id}", default=None)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="qtp-branch")
         self._retry_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="qtp-phase2-retry")
         self._retry_futures: set[concurrent.futures.Future] = set()
@@ -138,9 +142,14 @@ class TransactionManager:
         """Start a transaction on this thread (prefer ``with manager.transaction()``)."""
         if self._closed:
             raise ConfigurationError(f"transaction manager {self.node_id!r} is closed")
+        if self.log.failed:
+            raise LogError(
+                f"node {self.node_id!r} refuses new transactions: its decision log {self.log_dir} failed to write "
+                f"({self.log.failure}); what reached the disk is unknown. Fix the disk, restart the node (its "
+                "start-up recovery reads the log and ends every in-doubt branch), or run `qtp recover`")
         if self._recovery is None:
             self.start_recovery()
-        current = getattr(self._local, "tx", None)
+        current = self._current.get()
         if current is not None and current.outcome is None:
             raise NestedTransactionError(
                 f"this thread already runs transaction {current.xid}; qtp transactions do not nest: do the work "
@@ -152,7 +161,7 @@ class TransactionManager:
             if self._reaper is None:
                 self._reaper = threading.Thread(target=self._reap, name="qtp-timeout", daemon=True)
                 self._reaper.start()
-        self._local.tx = tx
+        self._current.set(tx)
         return tx
 
     def finished(self, tx: Transaction) -> None:
@@ -182,17 +191,23 @@ class TransactionManager:
                 tx.interrupt()
 
     def current(self) -> Transaction | None:
-        tx = getattr(self._local, "tx", None)
+        """The transaction running in this thread (or asyncio task), if any."""
+        tx = self._current.get()
         return tx if tx is not None and tx.outcome is None else None
 
     @contextlib.contextmanager
     def transaction(self, timeout: float | None = None) -> Iterator[Transaction]:
-        """Commit on normal exit, roll back on an exception (which is re-raised)."""
+        """Commit on normal exit, roll back on an exception (which is re-raised).
+
+        If the block ended the transaction itself (``tx.commit()``) and then raised, the application's
+        exception goes on up unchanged: the transaction keeps the outcome it has.
+        """
         tx = self.begin(timeout)
         try:
             yield tx
         except BaseException as exc:
-            tx.rollback()
+            if tx.outcome is None:
+                tx.rollback()
             if tx.interrupted and not isinstance(exc, TransactionTimeoutError):
                 raise TransactionTimeoutError(
                     f"transaction {tx.xid} ran past its timeout of {tx.timeout:g} s: its statement was cancelled "
@@ -203,7 +218,7 @@ class TransactionManager:
             if tx.state is State.ACTIVE:
                 tx.commit()
         finally:
-            self._local.tx = None
+            self._current.set(None)
 
     # ------------------------------------------------------------------ parallel branches
 
@@ -237,7 +252,7 @@ class TransactionManager:
         with self._in_flight_lock:
             if self._recovery is not None:
                 return None
-            self._recovery = RecoveryService(self, self.recovery_interval, self._log_was_missing)
+            self._recovery = RecoveryService(self, self.recovery_interval)
         return self._recovery.start()
 
     def recover(self, dry_run: bool = False) -> Any:
@@ -248,17 +263,34 @@ class TransactionManager:
 
     # ------------------------------------------------------------------ phase-2 retries
 
-    def retry_phase_two(self, gtrid: str, branches: list[tuple[Resource, Xid]]) -> None:
+    def retry_phase_two(self, gtrid: str, branches: list[Branch]) -> None:
         """Keep committing ``branches`` of a decided transaction in the background. The transaction stays
-        in flight (recovery leaves it alone) until the retries end; what they cannot finish, recovery does."""
+        in flight (recovery leaves it alone) until the retries end; what they cannot finish, recovery does.
+
+        The decision is made durable first: a committer interrupted while waiting for the flush hands its
+        branches over with the record still in the log's buffer. If the log cannot be written, no branch is
+        committed: each is left prepared for the recovery that reads the log after a restart."""
         with self._in_flight_lock:
             future = self._retry_pool.submit(self._retry, gtrid, branches)
             self._retry_futures.add(future)
         future.add_done_callback(self._retry_futures.discard)
 
-    def _retry(self, gtrid: str, branches: list[tuple[Resource, Xid]]) -> None:
+    def _retry(self, gtrid: str, branches: list[Branch]) -> None:
+        try:
+            self.log.flush()
+            if self.log.failed:
+                raise LogError(f"decision log failed: {self.log.failure}")
+        except BaseException as exc:
+            for branch in branches:
+                branch.resource.detach(branch.xid)
+            log.critical("transaction %s: its commit decision may not be durable (%s); its branches stay prepared "
+                         "for recovery after a restart", gtrid, exc)
+            with self._in_flight_lock:
+                self._in_flight.pop(gtrid, None)
+            return
         left = []
-        for resource, xid in branches:  # each branch on its own: one unreachable database delays no other
+        for branch in branches:  # each branch on its own: one unreachable database delays no other
+            resource, xid = branch.resource, branch.xid
             try:
                 for attempt in tenacity.Retrying(
                     stop=tenacity.stop_after_delay(self.phase_two_retry_s),
@@ -338,7 +370,8 @@ def transaction(timeout: float | None = None) -> contextlib.AbstractContextManag
 
 
 def current() -> Transaction | None:
-    """The transaction running on this thread, if any."""
-    return installed().current()
+    """The transaction running in this thread (or asyncio task), if any; None when nothing is running or no
+    manager is installed."""
+    return _installed.current() if _installed is not None else None
 
 

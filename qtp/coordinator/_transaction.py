@@ -6,14 +6,33 @@ The commit path reads like the protocol:
 2. phase 1: ask every branch for its vote, all at once. A "no" (an exception) rolls every branch back.
    Read-only branches leave here: they take no part in phase 2 and are not logged.
 3. one branch left prepared: commit it (no other branch can disagree, so no decision needs logging).
-   Several: force the COMMIT decision to the log (group commit) - from here on the transaction *is*
-   committed, whatever happens next.
+   Several: append the COMMIT decision to the log and force it (group commit). From the append on the
+   transaction *is* committed, whatever happens next: the record reaches the disk with the next flush even
+   if this thread is interrupted while it waits.
 4. phase 2: commit every prepared branch, all at once. A failure is never turned into a rollback: the
    caller is told "committed with branches pending", the failure is logged at CRITICAL and retried in the
    background, and what retries cannot finish is left to recovery.
 5. an unforced END record lets the log forget the transaction.
 
-Transitions of a transaction are data (``TRANSITIONS``); anything else is a TransactionStateError.
+Every state change goes through one table, ``TRANSITIONS[(state, event)]``; a pair that is not in it is a
+TransactionStateError. Nothing else assigns the state.
+
+What an error or an interrupt (any BaseException: KeyboardInterrupt, SystemExit, a failpoint) means, by
+where it strikes; each rule is carried out by ``_settle_after`` or the step named:
+
+=====================================  ==================================================================
+before the decision (flush, votes)     roll every branch back; RollbackError (an interrupt is re-raised)
+one-phase COMMIT: database says no     certain abort: RollbackError (``_commit_one_phase``)
+one-phase COMMIT: connection lost,     the COMMIT may have landed: outcome unknown, the branch's
+or anything else (an interrupt)        connection dropped, OutcomeUnknownError (an interrupt re-raised)
+decision: the log write fails          unknown until recovery reads the log: every branch left prepared,
+                                       OutcomeUnknownError; the failed log refuses new transactions
+decision: interrupted after append     committed: the background retry flushes the log, then phase 2
+decision: interrupted before append    roll back (no record can exist)
+phase 2 fails or is interrupted        committed with branches pending: background retry, then recovery
+rollback interrupted                   connections dropped: active branches die with them, prepared ones
+                                       are rolled back by recovery (presumed abort)
+=====================================  ==================================================================
 """
 
 from __future__ import annotations
@@ -22,6 +41,7 @@ import enum
 import os
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from sqlalchemy.orm import Session
@@ -31,6 +51,7 @@ from qtp.errors import (
     ConfigurationError,
     LogError,
     OutcomeUnknownError,
+    ResourceError,
     ResourceUnavailableError,
     RollbackError,
     TransactionStateError,
@@ -47,12 +68,24 @@ log = logging.getLogger("qtp.coordinator")
 class State(enum.Enum):
     ACTIVE = "active"
     PREPARING = "preparing"
+    DECIDING = "deciding"
     COMMITTING = "committing"
     ROLLING_BACK = "rolling back"
     COMMITTED = "committed"
     COMMITTED_PENDING = "committed with branches pending"
     ROLLED_BACK = "rolled back"
     IN_DOUBT = "in doubt"
+
+
+class Event(enum.Enum):
+    COMMIT = "commit requested"  # the application ended the block (or called tx.commit())
+    ROLLBACK = "rollback"  # asked for, a vote was no, or the path was cut before the decision
+    ROLLED_BACK = "every branch told to roll back"
+    COMMITTED = "every branch committed"  # one-phase, sole prepared, nothing to do, or phase 2 done
+    DECIDE = "decision appended to the log"
+    DECIDED = "decision durable"
+    PENDING = "branches left to the background retry"
+    UNKNOWN = "outcome unknown"
 
 
 class Outcome(enum.Enum):
@@ -62,16 +95,39 @@ class Outcome(enum.Enum):
     UNKNOWN = "unknown until recovery"
 
 
-TRANSITIONS: dict[State, set[State]] = {
-    State.ACTIVE: {State.PREPARING, State.ROLLING_BACK},
-    State.PREPARING: {State.COMMITTING, State.ROLLING_BACK, State.COMMITTED, State.IN_DOUBT},
-    State.COMMITTING: {State.COMMITTED, State.COMMITTED_PENDING},
-    State.ROLLING_BACK: {State.ROLLED_BACK},
-    State.COMMITTED: set(),
-    State.COMMITTED_PENDING: set(),
-    State.ROLLED_BACK: set(),
-    State.IN_DOUBT: set(),
+S, E = State, Event
+TRANSITIONS: dict[tuple[State, Event], State] = {
+    (S.ACTIVE, E.COMMIT): S.PREPARING,
+    (S.ACTIVE, E.ROLLBACK): S.ROLLING_BACK,
+    (S.PREPARING, E.ROLLBACK): S.ROLLING_BACK,
+    (S.PREPARING, E.COMMITTED): S.COMMITTED,
+    (S.PREPARING, E.UNKNOWN): S.IN_DOUBT,
+    (S.PREPARING, E.DECIDE): S.DECIDING,
+    (S.DECIDING, E.DECIDED): S.COMMITTING,
+    (S.DECIDING, E.UNKNOWN): S.IN_DOUBT,
+    (S.DECIDING, E.PENDING): S.COMMITTED_PENDING,
+    (S.DECIDING, E.ROLLBACK): S.ROLLING_BACK,
+    (S.COMMITTING, E.COMMITTED): S.COMMITTED,
+    (S.COMMITTING, E.PENDING): S.COMMITTED_PENDING,
+    (S.ROLLING_BACK, E.ROLLED_BACK): S.ROLLED_BACK,
 }
+del S, E
+
+FINAL = frozenset({State.COMMITTED, State.COMMITTED_PENDING, State.ROLLED_BACK, State.IN_DOUBT})
+_OUTCOMES = {State.COMMITTED: Outcome.COMMITTED, State.COMMITTED_PENDING: Outcome.COMMITTED_PENDING,
+             State.ROLLED_BACK: Outcome.ROLLED_BACK, State.IN_DOUBT: Outcome.UNKNOWN}
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One database's part of a global transaction."""
+
+    resource: Resource
+    xid: Xid
+
+    @property
+    def name(self) -> str:
+        return self.xid.branch
 
 
 class Transaction:
@@ -82,11 +138,11 @@ class Transaction:
         self.gtrid = manager.gtrid_prefix + os.urandom(16).hex().encode()
         self.deadline = time.monotonic() + timeout
         self.timeout = timeout
-        self.state = State.ACTIVE
+        self.state = State.ACTIVE  # changed only by _fire
         self.pending: list[str] = []  # branches whose phase-2 commit is still owed
         self.interrupted = False  # the timeout reaper cancelled this transaction's statements
-        self._branches: dict[int, tuple[Resource, Xid]] = {}  # id(resource) -> branch
-        self._sessions: dict[str, Session] = {}
+        self._branches: dict[int, Branch] = {}  # id(resource) -> branch
+        self._sessions: dict[str, tuple[Session, dict[str, Any]]] = {}  # name -> (session, its options)
         self._on_commit: list[Callable[[], None]] = []
 
     def __repr__(self) -> str:
@@ -99,23 +155,16 @@ class Transaction:
 
     @property
     def outcome(self) -> Outcome | None:
-        """None while the transaction runs; then committed, committed with branches pending, or rolled back."""
-        return {State.COMMITTED: Outcome.COMMITTED, State.COMMITTED_PENDING: Outcome.COMMITTED_PENDING,
-                State.ROLLED_BACK: Outcome.ROLLED_BACK, State.IN_DOUBT: Outcome.UNKNOWN}.get(self.state)
+        """None while the transaction runs; then committed, committed with branches pending, rolled back, or
+        unknown until recovery."""
+        return _OUTCOMES.get(self.state)
 
-    @property
-    def state(self) -> State:
-        return self._state
-
-    @state.setter
-    def state(self, new: State) -> None:
-        self._state = new
-        if not TRANSITIONS[new] and new is not State.COMMITTED_PENDING:  # pending: the retrier finishes it
-            self.manager.finished(self)
-
-    def _move(self, new: State) -> None:
-        if new not in TRANSITIONS[self.state]:
-            raise TransactionStateError(f"transaction {self.xid} cannot go from {self.state.value} to {new.value}")
+    def _fire(self, event: Event) -> None:
+        """The one place the state changes: ``TRANSITIONS[(state, event)]`` or TransactionStateError."""
+        new = TRANSITIONS.get((self.state, event))
+        if new is None:
+            raise TransactionStateError(
+                f"transaction {self.xid} is {self.state.value}: it cannot take the event {event.value!r}")
         self.state = new
 
     # ------------------------------------------------------------------ enlisting
@@ -133,7 +182,7 @@ class Transaction:
                 "shorten the transaction or raise the timeout (TransactionManager(timeout=...))"
             )
 
-    def enlist(self, name: str) -> tuple[Resource, Xid]:
+    def enlist(self, name: str) -> Branch:
         """Make resource ``name`` a branch of this transaction (once per database) and return the branch."""
         self._check_active(f"enlist {name!r}")
         resource = self.manager.resource(name)
@@ -141,29 +190,41 @@ class Transaction:
         if branch is None:
             xid = Xid.of(self.gtrid, resource.name)
             resource.begin(xid)
-            branch = self._branches[id(resource)] = (resource, xid)
+            branch = self._branches[id(resource)] = Branch(resource, xid)
         return branch
+
+    @property
+    def branches(self) -> list[Branch]:
+        return list(self._branches.values())
 
     def connection(self, name: str) -> Any:
         """The branch's connection: a SQLAlchemy ``Connection`` for SQL resources."""
-        resource, xid = self.enlist(name)
-        return resource.connection(xid)
+        branch = self.enlist(name)
+        return branch.resource.connection(branch.xid)
 
     def session(self, name: str, **session_kw: Any) -> Session:
         """An ORM ``Session`` bound to the branch of ``name``; committed into the branch before the vote.
 
         The session works in a savepoint of the branch: ``session.commit()`` makes its work part of the global
-        transaction, ``session.rollback()`` undoes only the session's work since then.
+        transaction, ``session.rollback()`` undoes only the session's work since then. One session per name:
+        a later call returns it, and refuses options that differ from those it was opened with.
         """
         self._check_active(f"open a session on {name!r}")
-        session = self._sessions.get(name)
-        if session is None:
-            conn = self.connection(name)
-            if not hasattr(conn, "execute"):
-                raise ConfigurationError(f"resource {name!r} is not a SQL database; use tx.connection({name!r})")
-            session_kw.setdefault("expire_on_commit", False)
-            session = Session(bind=conn, join_transaction_mode="create_savepoint", **session_kw)
-            self._sessions[name] = session
+        opened = self._sessions.get(name)
+        if opened is not None:
+            session, options = opened
+            if session_kw and session_kw != options:
+                raise ConfigurationError(
+                    f"tx.session({name!r}) is already open in transaction {self.xid} with options {options!r}; "
+                    f"it cannot be reopened with {session_kw!r}: pass the options on the first call only")
+            return session
+        conn = self.connection(name)
+        if not hasattr(conn, "execute"):
+            raise ConfigurationError(f"resource {name!r} is not a SQL database; use tx.connection({name!r})")
+        options = dict(session_kw)
+        session = Session(bind=conn, join_transaction_mode="create_savepoint",
+                          **{"expire_on_commit": False, **session_kw})
+        self._sessions[name] = (session, options)
         return session
 
     def on_commit(self, callback: Callable[[], None]) -> None:
@@ -197,11 +258,11 @@ class Transaction:
     def interrupt(self) -> None:
         """Called by the timeout reaper (another thread): cancel whatever the branches are running."""
         self.interrupted = True
-        for resource, xid in list(self._branches.values()):
+        for branch in self.branches:
             try:
-                resource.cancel(xid)
+                branch.resource.cancel(branch.xid)
             except Exception as exc:  # best effort: the owner still rolls back at its next call
-                log.warning("could not cancel the running statement of %s: %s", xid, exc)
+                log.warning("could not cancel the running statement of %s: %s", branch.xid, exc)
 
     # ------------------------------------------------------------------ ending
 
@@ -209,25 +270,34 @@ class Transaction:
         """Commit atomically across every branch, or roll every branch back and raise RollbackError."""
         self._check_active("commit")
         try:
-            for session in self._sessions.values():
-                session.commit()  # flushes and releases the session's savepoint; the branch stays open
-        except BaseException as exc:
-            self.rollback()
-            raise RollbackError(f"transaction {self.xid} rolled back: flushing a session failed: {exc}") from exc
-        self._move(State.PREPARING)
-        self._close_sessions()
-        try:
-            self._two_phase_commit()
-        except (RollbackError, OutcomeUnknownError):
-            raise
-        except BaseException as exc:  # anything unforeseen (a failpoint, an interrupt): settle, then re-raise
-            self._settle_after(exc)
-            raise
+            try:
+                for session, _ in self._sessions.values():
+                    session.commit()  # flushes and releases the session's savepoint; the branch stays open
+            except BaseException as exc:
+                self._roll_back_all(Event.ROLLBACK)
+                if not isinstance(exc, Exception):
+                    raise
+                raise RollbackError(f"transaction {self.xid} rolled back: flushing a session failed: {exc}") \
+                    from exc
+            self._fire(Event.COMMIT)
+            self._close_sessions()
+            try:
+                self._two_phase_commit()
+            except BaseException as exc:  # anything unforeseen (a failpoint, an interrupt): settle, then re-raise
+                self._settle_after(exc)
+                raise
+        finally:
+            self._done()
         if self._on_commit:
             self._run_on_commit()
 
+    def _done(self) -> None:
+        """Tell the manager once the transaction has an outcome (with branches pending, the retrier does)."""
+        if self.state in FINAL and self.state is not State.COMMITTED_PENDING:
+            self.manager.finished(self)
+
     def _two_phase_commit(self) -> None:
-        branches = self._drop_idle(list(self._branches.values()))
+        branches = self._drop_idle(self.branches)
         if len(branches) <= 1:
             self._commit_one_phase(branches)
             return
@@ -239,51 +309,64 @@ class Transaction:
         self._phase_two(prepared)
 
     def _settle_after(self, exc: BaseException) -> None:
-        """The commit path was cut by an unexpected error. Before the decision: roll everything back.
-        After it: the transaction is committed; the background retry (then recovery) commits what is left."""
+        """The commit path was cut by an error the step itself did not settle (see the module's table)."""
         if self.state is State.PREPARING:
-            self._move(State.ROLLING_BACK)
-            self._rollback_all(list(self._branches.values()))
-            self.state = State.ROLLED_BACK
+            self._roll_back_all(Event.ROLLBACK)
+        elif self.state is State.DECIDING:
+            if self.manager.log.holds(self.xid):  # the record will reach the disk: the decision is made
+                self._hand_to_retry(self.branches, Event.PENDING, exc)
+            else:
+                self._roll_back_all(Event.ROLLBACK)
         elif self.state is State.COMMITTING:
-            branches = list(self._branches.values())
-            self.pending = [xid.branch for _, xid in branches]
-            log.critical("transaction %s is committed but its phase 2 was interrupted (%r); committing the "
-                         "branches in the background", self.xid, exc)
-            self.state = State.COMMITTED_PENDING
-            self.manager.retry_phase_two(self.xid, branches)
+            self._hand_to_retry(self.branches, Event.PENDING, exc)
+        elif self.state is State.ROLLING_BACK:
+            for branch in self.branches:
+                branch.resource.detach(branch.xid)
+            self._fire(Event.ROLLED_BACK)
 
-    def _drop_idle(self, branches: list[tuple[Resource, Xid]]) -> list[tuple[Resource, Xid]]:
+    def _hand_to_retry(self, branches: list[Branch], event: Event, cause: BaseException) -> None:
+        self.pending = [b.name for b in branches]
+        log.critical("transaction %s is committed but its phase 2 was cut (%r); committing %s in the background",
+                     self.xid, cause, ", ".join(self.pending))
+        self._fire(event)
+        self.manager.retry_phase_two(self.xid, branches)
+
+    def _drop_idle(self, branches: list[Branch]) -> list[Branch]:
         """End the branches that did no work (read-only, no round trip); return the others."""
         busy = []
-        for resource, xid in branches:
-            if resource.may_have_written(xid):
-                busy.append((resource, xid))
+        for branch in branches:
+            if branch.resource.may_have_written(branch.xid):
+                busy.append(branch)
             else:
                 try:
-                    resource.prepare(xid)
+                    branch.resource.prepare(branch.xid)
                 except BaseException as exc:
-                    self._abort(exc, f"ending idle branch {xid.branch} failed")
+                    self._abort(exc, f"ending idle branch {branch.name} failed")
         return busy
 
-    def _commit_one_phase(self, branches: list[tuple[Resource, Xid]]) -> None:
+    def _commit_one_phase(self, branches: list[Branch]) -> None:
         if branches:
-            resource, xid = branches[0]
+            branch = branches[0]
             try:
-                resource.commit(xid, one_phase=True)
+                branch.resource.commit(branch.xid, one_phase=True)
+                failpoint("after_one_phase_commit")
             except ResourceUnavailableError as exc:  # the COMMIT may have landed before the connection broke
-                resource.detach(xid)
-                self._give_up_knowing(exc, f"the connection to {xid.branch} broke during its one-phase commit, "
+                branch.resource.detach(branch.xid)
+                self._give_up_knowing(exc, f"the connection to {branch.name} broke during its one-phase commit, "
                                            "so the database alone knows whether it committed")
-            except BaseException as exc:
+            except ResourceError as exc:  # the database answered: it did not commit
                 self._abort(exc, "the one-phase commit failed")
-        self.state = State.COMMITTED
+            except BaseException as exc:  # cut while the COMMIT may have been on its way or done: unknown
+                branch.resource.detach(branch.xid)
+                self._give_up_knowing(exc, f"the one-phase commit of {branch.name} was interrupted, so the "
+                                           "database alone knows whether it committed")
+        self._fire(Event.COMMITTED)
 
-    def _phase_one(self, branches: list[tuple[Resource, Xid]]) -> list[tuple[Resource, Xid]]:
+    def _phase_one(self, branches: list[Branch]) -> list[Branch]:
         failpoint("before_prepare")
 
-        def prepare(index: int, branch: tuple[Resource, Xid]) -> Vote:
-            vote = branch[0].prepare(branch[1])
+        def prepare(index: int, branch: Branch) -> Vote:
+            vote = branch.resource.prepare(branch.xid)
             failpoint(f"after_prepare_{index}")
             return vote
 
@@ -297,87 +380,98 @@ class Transaction:
             self._abort(failure, "a branch voted no")
         return [b for b, vote in zip(branches, results) if vote is Vote.YES]
 
-    def _commit_sole_prepared(self, prepared: list[tuple[Resource, Xid]]) -> None:
+    def _commit_sole_prepared(self, prepared: list[Branch]) -> None:
         """Every other branch was read-only: the one prepared branch decides alone, nothing is logged.
 
         If its commit fails the transaction is still decided "commit" (nobody can disagree): the decision is
         logged then, and the commit finished like any pending phase 2 (a lost reply is thus harmless).
         """
         try:
-            for resource, xid in prepared:
-                resource.commit(xid)
+            for branch in prepared:
+                branch.resource.commit(branch.xid)
         except BaseException:
             self._decide(prepared)
             self._phase_two(prepared)
             return
-        self.state = State.COMMITTED
+        self._fire(Event.COMMITTED)
 
-    def _decide(self, prepared: list[tuple[Resource, Xid]]) -> None:
+    def _decide(self, prepared: list[Branch]) -> None:
+        self._fire(Event.DECIDE)  # an interrupt from here on asks the log whether the record was appended
         try:
-            self.manager.log.log_commit(self.xid, [xid.branch for _, xid in prepared])
+            self.manager.log.log_commit(self.xid, [b.name for b in prepared])
         except LogError as exc:
             # The record may or may not be on disk: rolling back could contradict it. Leave every branch
             # prepared; recovery after a restart reads the log and ends them all the same way.
-            for resource, xid in prepared:
-                resource.detach(xid)
+            for branch in prepared:
+                branch.resource.detach(branch.xid)
             self._give_up_knowing(exc, "the commit decision could not be logged")
-        self._move(State.COMMITTING)
+        self._fire(Event.DECIDED)
         failpoint("after_decision_forced")
 
     def _give_up_knowing(self, cause: BaseException, why: str) -> None:
-        self._move(State.IN_DOUBT)
-        log.critical("transaction %s: outcome unknown: %s (%s); recovery will resolve it", self.xid, why, cause)
+        self._fire(Event.UNKNOWN)
+        log.critical("transaction %s: outcome unknown: %s (%r); recovery will resolve it", self.xid, why, cause)
+        if not isinstance(cause, Exception):
+            raise cause  # an interrupt stays an interrupt; tx.outcome says UNKNOWN
         raise OutcomeUnknownError(
             f"transaction {self.xid}: outcome unknown: {why}: {cause}; every branch is left to recovery "
             "(`qtp recover`), which ends them all the same way; check the outcome before retrying"
         ) from cause
 
-    def _phase_two(self, prepared: list[tuple[Resource, Xid]]) -> None:
-        def commit(index: int, branch: tuple[Resource, Xid]) -> None:
-            branch[0].commit(branch[1])
+    def _phase_two(self, prepared: list[Branch]) -> None:
+        def commit(index: int, branch: Branch) -> None:
+            branch.resource.commit(branch.xid)
             failpoint(f"after_commit_{index}")
 
         results = self.manager.fan_out(commit, prepared)
         failed = [(b, r) for b, r in zip(prepared, results) if isinstance(r, BaseException)]
         if failed:
-            self.pending = [xid.branch for (_, xid), _ in failed]
-            for (resource, xid), exc in failed:
+            for branch, exc in failed:
                 log.critical("transaction %s is committed but branch %s could not commit yet (%s); retrying in "
                              "the background, and recovery will finish it if retries cannot", self.xid,
-                             xid.branch, exc)
-            self.state = State.COMMITTED_PENDING
-            self.manager.retry_phase_two(self.xid, [b for b, _ in failed])
+                             branch.name, exc)
+            self._hand_to_retry([b for b, _ in failed], Event.PENDING, failed[0][1])
             return
         failpoint("before_end_record")
         self.manager.log.log_end(self.xid)
-        self.state = State.COMMITTED
+        self._fire(Event.COMMITTED)
 
     def rollback(self) -> None:
         """Roll every branch back. Branches that cannot be reached stay prepared or active in the database;
         the database drops active ones with the connection, and recovery rolls back prepared ones."""
-        if self.state in (State.ROLLED_BACK, State.ROLLING_BACK):
+        if self.state is State.ROLLED_BACK:
             return
-        self._move(State.ROLLING_BACK)
-        self._close_sessions()
-        self._rollback_all(list(self._branches.values()))
-        self.state = State.ROLLED_BACK
+        try:
+            self._close_sessions()
+            self._roll_back_all(Event.ROLLBACK)
+        except BaseException:
+            if self.state is State.ROLLING_BACK:
+                self._settle_after(None)  # type: ignore[arg-type]
+            raise
+        finally:
+            self._done()
 
-    def _rollback_all(self, branches: list[tuple[Resource, Xid]]) -> None:
-        def rollback(index: int, branch: tuple[Resource, Xid]) -> None:
-            branch[0].rollback(branch[1])
+    def _roll_back_all(self, event: Event) -> None:
+        self._fire(event)
 
-        for (_, xid), result in zip(branches, self.manager.fan_out(rollback, branches)):
+        def rollback(index: int, branch: Branch) -> None:
+            branch.resource.rollback(branch.xid)
+
+        branches = self.branches
+        for branch, result in zip(branches, self.manager.fan_out(rollback, branches)):
             if isinstance(result, BaseException):
-                log.warning("rollback of %s failed (%s); recovery will roll it back if it was prepared", xid, result)
+                log.warning("rollback of %s failed (%s); recovery will roll it back if it was prepared", branch.xid,
+                            result)
+        self._fire(Event.ROLLED_BACK)
 
     def _abort(self, cause: BaseException, why: str) -> None:
-        self._move(State.ROLLING_BACK)
-        self._rollback_all(list(self._branches.values()))
-        self.state = State.ROLLED_BACK
+        self._roll_back_all(Event.ROLLBACK)
+        if not isinstance(cause, Exception):
+            raise cause  # an interrupt stays an interrupt; tx.outcome says ROLLED_BACK
         raise RollbackError(f"transaction {self.xid} rolled back: {why}: {cause}") from cause
 
     def _close_sessions(self) -> None:
-        for session in self._sessions.values():
+        for session, _ in self._sessions.values():
             session.close()
         self._sessions.clear()
 

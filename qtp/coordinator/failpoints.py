@@ -7,7 +7,8 @@ Enable them with the environment variable ``QTP_FAILPOINTS`` (read at import) or
     QTP_FAILPOINTS="after_commit_0=crash@3"         # on the third time the point is reached
 
 Actions: ``crash`` (SIGKILL to this process: no cleanup, no flush, exactly like ``kill -9``), ``error``
-(raise FailpointError), ``delay:MS`` (sleep). When nothing is configured a failpoint is one dictionary
+(raise FailpointError), ``interrupt`` (raise KeyboardInterrupt, as Ctrl-C or a signal handler would),
+``delay:MS`` (sleep). When nothing is configured a failpoint is one dictionary
 truth test.
 
 The points (``i`` is the branch's position in the transaction, from 0):
@@ -15,9 +16,12 @@ The points (``i`` is the branch's position in the transaction, from 0):
 =========================  ==================================================================
 ``before_prepare``         every branch enlisted and flushed, no vote asked yet
 ``after_prepare_i``        branch i voted yes (prepared)
+``decision_appended``      the COMMIT record is in the log's buffer, not yet durable
+``log_write``              a flush leader is about to write and sync the log's buffer
 ``after_decision_forced``  the COMMIT record is durable, no branch committed yet
 ``after_commit_i``         branch i committed in phase 2
 ``before_end_record``      every branch committed, END record not yet appended
+``after_one_phase_commit`` the sole branch's one-phase COMMIT returned, the outcome not yet recorded
 ``recovery_after_action``  recovery committed or rolled back one in-doubt branch
 =========================  ==================================================================
 """
@@ -29,14 +33,10 @@ import signal
 import threading
 import time
 
-from qtp.errors import ConfigurationError, QtpError
+from qtp.errors import ConfigurationError, FailpointError
 
-POINTS = ("before_prepare", "after_prepare_i", "after_decision_forced", "after_commit_i", "before_end_record",
-          "recovery_after_action")
-
-
-class FailpointError(QtpError):
-    """Raised by a failpoint whose action is ``error``."""
+POINTS = ("before_prepare", "after_prepare_i", "decision_appended", "log_write", "after_decision_forced",
+          "after_commit_i", "before_end_record", "after_one_phase_commit", "recovery_after_action")
 
 
 _active: dict[str, tuple[str, float, int]] = {}  # name -> (action, argument, fire on hit number)
@@ -51,8 +51,8 @@ def configure(spec: str | None) -> None:
         name, _, action = item.partition("=")
         action, _, nth = action.partition("@")
         verb, _, arg = action.partition(":")
-        if verb not in ("crash", "error", "delay") or not name:
-            raise ConfigurationError(f"bad failpoint {item!r}: write NAME=crash|error|delay:MS[@N]")
+        if verb not in ("crash", "error", "interrupt", "delay") or not name:
+            raise ConfigurationError(f"bad failpoint {item!r}: write NAME=crash|error|interrupt|delay:MS[@N]")
         parsed[name.strip()] = (verb, float(arg or 0), int(nth or 1))
     _active.clear()
     _hits.clear()
@@ -73,6 +73,8 @@ def failpoint(name: str) -> None:
         time.sleep(60)  # never reached: SIGKILL cannot be caught
     elif verb == "error":
         raise FailpointError(f"failpoint {name} fired")
+    elif verb == "interrupt":
+        raise KeyboardInterrupt(f"failpoint {name} fired")
     else:
         time.sleep(arg / 1000.0)
 

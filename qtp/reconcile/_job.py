@@ -20,7 +20,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from qtp.errors import ConfigurationError, QtpError
+from qtp.errors import ConfigurationError, QtpError, ReconcileError
 from qtp.reconcile import _classify as C
 from qtp.reconcile._sources import (
     ProbedTable,
@@ -37,12 +37,6 @@ from qtp.reconcile._sources import (
 )
 
 Log = Callable[[str], None]
-
-
-class ReconcileError(QtpError):
-    """The Spark job failed while reading or classifying; the message names the step and the root cause."""
-
-    retryable = True
 
 
 @dataclass
@@ -126,7 +120,19 @@ def spark_errors(what: str) -> Iterator[None]:
                 f"{what}: the JDBC driver is not on Spark's class path ({first.strip()}); pass the session "
                 "from qtp.reconcile.spark_session(), or --jars with the driver jar to spark-submit"
             ) from exc
-        raise ReconcileError(f"{what} failed: {first.strip()}") from exc
+        raise ReconcileError(f"{what} failed: {first.strip()}", retryable=_transient(first)) from exc
+
+
+# Root causes that another run can get past: a database or executor that went away, a timeout.
+_TRANSIENT = ("Connection refused", "Communications link failure", "connection attempt failed",
+              "Connection reset", "timed out", "TimeoutException", "SocketTimeoutException",
+              "terminating connection", "Could not connect", "ExecutorLostFailure", "SparkOutOfMemoryError")
+
+
+def _transient(cause: str) -> bool:
+    """Whether a Spark failure's root cause is transient (see ``_TRANSIENT``); a bad table, column or query
+    fails the same way every time."""
+    return any(marker.lower() in cause.lower() for marker in _TRANSIENT)
 
 
 def _root_cause(exc: BaseException) -> str:

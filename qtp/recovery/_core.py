@@ -48,6 +48,7 @@ UNREACHABLE = "resource unreachable"
 HEURISTIC = "heuristic hazard"
 LOG_MISSING = "decision log missing"
 QUARANTINED = "quarantined (log was missing)"
+UNVETTED = "log was lost, resource not yet vetted"
 NOT_CONFIGURED = "resource not configured"
 ACTION_FAILED = "action failed"
 
@@ -132,6 +133,9 @@ class RecoveryReport:
                        "refused the action; repair the data by hand, then run `qtp recover` again",
             LOG_MISSING: "the decision log directory is missing or empty: restore it from a backup and run "
                          "`qtp recover` again, or resolve these branches by hand (docs/recovery.md)",
+            UNVETTED: "the node's decision log was lost and this resource has not been checked since: start the "
+                      "node's manager while the resource is reachable (it quarantines what the lost log may have "
+                      "decided), then resolve the quarantined branches by hand (docs/recovery.md)",
             QUARANTINED: "these branches were found while the decision log was missing: resolve them by hand "
                          "(docs/recovery.md), then delete the QUARANTINE file in the log directory",
             NOT_CONFIGURED: "the log names a resource that qtp.toml does not configure: add it back under "
@@ -201,6 +205,7 @@ class Plan:
     in_flight: set[str]
     previous: set[Xid] | None = None  # the previous pass's scan (two-pass rule); None: act at once
     quarantine: set[str] = field(default_factory=set)  # str(xid) never to be touched automatically
+    unvetted: set[str] = field(default_factory=set)  # resources the (lost) log may not speak for
 
 
 def run_pass(
@@ -212,10 +217,14 @@ def run_pass(
     end: Callable[[str], None] | None = None,
     previous: set[Xid] | None = None,
     quarantine: set[str] | frozenset = frozenset(),
+    unvetted: set[str] | frozenset = frozenset(),
     dry_run: bool = False,
     workers: int = 16,
 ) -> tuple[RecoveryReport, set[Xid]]:
     """Scan, decide, act, write END records. Returns the report and the set of xids seen in doubt.
+
+    Branches on ``unvetted`` resources (the node's log was lost and they have not been checked since, see
+    ``qtp.coordinator._log.read_lost_mark``) are left in doubt whatever the log says.
 
     The order of the reads (in-doubt lists, then ``in_flight()``, then the decisions) is what makes the
     pass safe beside a live manager; see the module docstring.
@@ -223,7 +232,7 @@ def run_pass(
     started = time.monotonic()
     report = RecoveryReport(node_id, dry_run=dry_run)
     found = scan(resources, report)
-    plan = Plan(found, None, set(in_flight()), previous, set(quarantine))
+    plan = Plan(found, None, set(in_flight()), previous, set(quarantine), set(unvetted))
     plan.decisions = read_decisions()
     report.open_decisions = len(plan.decisions or {})
     rows, work = _decide(plan, report)
@@ -250,6 +259,9 @@ def _decide(plan: Plan, report: RecoveryReport) -> tuple[list[Row], list[tuple[R
         elif plan.decisions is None:
             row.decision, row.action, row.result, row.problem = ("log missing", "leave in doubt", "left in doubt",
                                                                  LOG_MISSING)
+        elif f.resource.name in plan.unvetted:
+            row.decision, row.action, row.result, row.problem = ("unknown", "leave in doubt", "left in doubt",
+                                                                 UNVETTED)
         elif plan.previous is not None and f.xid not in plan.previous:
             row.decision = "commit" if decided is not None else "none (presumed abort)"
             row.action, row.result = "wait (second pass)", "acted on at the next pass if still in doubt"

@@ -1,11 +1,14 @@
 """Recovery of a node from outside its manager (``qtp recover``, ``qtp status``), and the files it shares
-with the manager's own recovery: the log-present test and the QUARANTINE list.
+with the manager's own recovery: the QUARANTINE list (the log-present test and the lost-log mark belong to
+the log, ``qtp.coordinator._log``).
 
 Missing versus empty. A manager creates its log directory together with a first segment (a checkpoint
 record), and a checkpoint always writes the new segment before deleting the old ones. So a node that has
 ever run a transaction has at least one ``segment-*.log``; "no segment" means the log was never created
 or has been lost. In-doubt branches of this node with no log present are therefore the mark of a lost log:
-they are reported and left alone, never presumed aborted.
+they are reported and left alone, never presumed aborted. A manager that starts on a missing log leaves
+the ``LOG_LOST`` mark until it has vetted every resource; ``qtp recover`` leaves the branches of resources
+not yet vetted in doubt.
 
 QUARANTINE. When a manager starts on a missing log and finds in-doubt branches of its node that it did not
 create, it cannot know their outcome either; it writes them, one JSON object a line, to
@@ -22,26 +25,24 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from qtp.config import Config
-from qtp.coordinator._log import DecisionLog, read_log, lock_holder
-from qtp.errors import LogLockedError, QtpError
+from qtp.coordinator._log import (
+    LOST_MARK,
+    DecisionLog,
+    append_durably,
+    lock_holder,
+    log_present,
+    read_log,
+    read_lost_mark,
+)
+from qtp.errors import LiveManagerError, LogLockedError, QtpError
 from qtp.recovery._core import RecoveryReport, age_of, run_pass, scan
 from qtp.xa import Resource, resource_for
 
 QUARANTINE_FILE = "QUARANTINE"
 
 
-class LiveManagerError(LogLockedError):
-    """``qtp recover`` was asked to act on a node whose live manager holds the log."""
-
-
 def node_log_dir(config: Config) -> Path:
     return Path(config.log_dir) / config.node_id
-
-
-def log_present(directory: Path | str) -> bool:
-    """True when the directory holds at least one log segment (see the module docstring)."""
-    directory = Path(directory)
-    return directory.is_dir() and any(directory.glob("segment-*.log"))
 
 
 def read_quarantine(directory: Path | str) -> dict[str, dict]:
@@ -53,12 +54,15 @@ def read_quarantine(directory: Path | str) -> dict[str, dict]:
 
 
 def add_quarantine(directory: Path | str, entries: list[dict]) -> None:
-    if not entries:
-        return
-    with open(Path(directory) / QUARANTINE_FILE, "a") as f:
-        for entry in entries:
-            f.write(json.dumps(entry) + "\n")
-        f.flush()
+    """Append to QUARANTINE, durably: a quarantined branch must stay quarantined after any crash."""
+    if entries:
+        append_durably(Path(directory) / QUARANTINE_FILE, [json.dumps(entry) for entry in entries])
+
+
+def unvetted_resources(directory: Path | str, names: list[str]) -> set[str]:
+    """The resources among ``names`` that the lost-log mark says were not vetted yet (none without a mark)."""
+    mark = read_lost_mark(directory)
+    return set() if mark is None else set(names) - set(mark["vetted"])
 
 
 def open_resources(config: Config) -> list[Resource]:
@@ -99,8 +103,9 @@ def recover_node(config: Config, dry_run: bool = False, workers: int = 16) -> Re
             except LogLockedError as exc:
                 raise _live(config, directory, lock_holder(directory) or "unknown") from exc
             read, end = (lambda: dict(log.open)), log.log_end
-        report, _ = run_pass(config.node_id, resources, read, end=end, quarantine=quarantine, dry_run=dry_run,
-                             workers=workers)
+        unvetted = unvetted_resources(directory, [r.name for r in resources])
+        report, _ = run_pass(config.node_id, resources, read, end=end, quarantine=quarantine, unvetted=unvetted,
+                             dry_run=dry_run, workers=workers)
         if log is not None and report.ended:
             log.flush()
             log.checkpoint()
@@ -164,6 +169,13 @@ def node_status(config: Config, warn_age_s: float = 300.0) -> NodeStatus:
             status.log_error = str(exc)
             status.warnings.append(str(exc))
     status.quarantined = len(read_quarantine(directory))
+    mark = read_lost_mark(directory)
+    if mark is not None:
+        waiting = sorted(set(config.resources) - set(mark["vetted"]))
+        status.warnings.append(
+            f"the decision log of this node was lost (mark {directory / LOST_MARK}); resource(s) {waiting} not "
+            "vetted yet: their in-doubt branches are left alone until the node's manager starts with them "
+            "reachable")
     report = RecoveryReport(config.node_id)
     resources = open_resources(config)
     try:

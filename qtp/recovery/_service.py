@@ -6,9 +6,12 @@ except its own live transactions, which the ordered reads of ``run_pass`` protec
 use the two-pass rule as well: a branch is resolved only when the previous pass saw it in doubt too, so a
 transaction the manager is in the middle of committing is never second-guessed.
 
-A manager started on a missing log (see ``_node``) first vets each resource: the in-doubt branches it finds
-there that are neither in flight nor decided in the new log, and (where the database records it) were
-prepared before the manager started, are put in QUARANTINE, never rolled back.
+A manager started on a missing log (the ``LOG_LOST`` mark, ``qtp.coordinator._log.read_lost_mark``) first
+vets each resource: the in-doubt branches it finds there that are neither in flight nor decided in the new
+log, and (where the database records it) were prepared before the mark was made, are put in QUARANTINE
+(durably), never rolled back; only then is the resource noted as vetted in the mark, and the mark removed
+once every resource is. A resource that cannot be vetted (unreachable) is left out of every pass until it
+can be: its branches are never presumed aborted on the word of the new log.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
+from qtp.coordinator._log import clear_lost_mark, read_lost_mark, write_lost_mark
 from qtp.recovery._core import RecoveryReport, run_pass, scan
 from qtp.recovery._node import add_quarantine, read_quarantine
 from qtp.xa import Xid
@@ -32,12 +36,12 @@ log = logging.getLogger("qtp.recovery")
 class RecoveryService:
     """One manager's recovery: ``run_once()`` on demand, ``start()`` for the start-up pass and the thread."""
 
-    def __init__(self, manager: "TransactionManager", interval: float | None, log_was_missing: bool = False):
+    def __init__(self, manager: "TransactionManager", interval: float | None):
         self.manager = manager
         self.interval = interval
-        self.started_at = datetime.now(timezone.utc)
-        self._unvetted: set[str] | None = None if not log_was_missing else {
-            r.name for r in manager.distinct_resources()}
+        self._mark = read_lost_mark(manager.log_dir)
+        self._unvetted: set[str] = set() if self._mark is None else {
+            r.name for r in manager.distinct_resources()} - set(self._mark["vetted"])
         self._quarantine = set(read_quarantine(manager.log_dir))
         self._previous: set[Xid] | None = None
         self._lock = threading.Lock()
@@ -57,7 +61,8 @@ class RecoveryService:
             report, seen = run_pass(
                 self.manager.node_id, resources, lambda: dict(self.manager.log.open),
                 in_flight=self.manager.in_flight, end=self.manager.log.log_end,
-                previous=self._previous if two_pass else None, quarantine=self._quarantine, dry_run=dry_run,
+                previous=self._previous if two_pass else None, quarantine=self._quarantine,
+                unvetted=self._unvetted, dry_run=dry_run,
             )
             if report.ended and not dry_run:
                 self.manager.log.flush()
@@ -80,7 +85,7 @@ class RecoveryService:
         for f in found:
             if f.gtrid in in_flight or f.gtrid in decided or str(f.xid) in self._quarantine:
                 continue
-            if f.prepared_at is not None and _aware(f.prepared_at) >= self.started_at:
+            if f.prepared_at is not None and _aware(f.prepared_at).timestamp() >= self._mark["created_at"]:
                 continue
             fresh.append({"xid": str(f.xid), "resource": f.resource.name, "found_at": time.time(),
                           "reason": "in doubt when the manager started on a missing decision log"})
@@ -91,7 +96,14 @@ class RecoveryService:
                          "(%s ...): their outcome is unknown, so they are quarantined, not rolled back; restore the "
                          "log or resolve them by hand (docs/recovery.md)", self.manager.node_id, len(fresh),
                          fresh[0]["xid"])
-        self._unvetted -= {r.name for r in pending if r.name not in probe.unreachable}
+        vetted = {r.name for r in pending if r.name not in probe.unreachable}
+        if vetted:
+            self._unvetted -= vetted
+            self._mark["vetted"] = sorted(set(self._mark["vetted"]) | vetted)
+            if self._unvetted:
+                write_lost_mark(self.manager.log_dir, self._mark)
+            else:
+                clear_lost_mark(self.manager.log_dir)
 
     def _log(self, report: RecoveryReport) -> None:
         if report.committed or report.rolled_back or report.ended:

@@ -20,6 +20,7 @@ from qtp.xa._xid import Xid
 
 _DISCONNECT_CODES = {2003, 2006, 2013, 2055, 1927, 4031}
 _XAER_NOTA = 1397  # unknown xid: already resolved
+_DEADLOCK = 1213  # ER_LOCK_DEADLOCK: the server rolled the transaction back
 _XA_RB_CODES = {1402, 1613, 1614}  # XA_RBROLLBACK, XA_RBTIMEOUT, XA_RBDEADLOCK: the server rolled it back
 _MIN_MARIADB = (10, 5)
 
@@ -41,16 +42,22 @@ class MySQLResource(SqlResource):
         self._flavour: str | None = None
 
     def _is_disconnect(self, exc: BaseException) -> bool:
+        """pymysql's InterfaceError (the socket is closed) and the client/server codes of a lost connection
+        (2003, 2006, 2013, 2055, 1927 connection killed, 4031 idle timeout); not every OperationalError,
+        which also carries deadlocks and lock wait timeouts."""
         if isinstance(exc, pymysql.err.InterfaceError):
             return True
-        return isinstance(exc, pymysql.err.OperationalError) and exc.args and exc.args[0] in _DISCONNECT_CODES
+        return isinstance(exc, pymysql.err.OperationalError) and bool(exc.args) and exc.args[0] in _DISCONNECT_CODES
+
+    def _is_conflict(self, exc: BaseException) -> bool:
+        code = exc.args[0] if isinstance(exc, pymysql.err.MySQLError) and exc.args else None
+        return code == _DEADLOCK or code in _XA_RB_CODES
 
     def _translate(self, exc: Exception, action: str, xid: Xid | None) -> QtpError:
         original = getattr(exc, "orig", None) or exc
         code = original.args[0] if isinstance(original, pymysql.err.MySQLError) and original.args else None
-        rolled_back_by_server = code in _XA_RB_CODES
         if action == "prepare" and code is not None and not self._is_disconnect(original) \
-                and not rolled_back_by_server:
+                and not self._is_conflict(original):
             return PrepareRefusedError(
                 f"resource {self.name!r} ({self.display_url}) refused XA PREPARE for {xid}: {original}"
             )

@@ -14,6 +14,7 @@ from qtp.xa._sql import SqlBranch, SqlResource
 from qtp.xa._xid import FORMAT_ID, Xid
 
 _UNDEFINED_OBJECT = psycopg2.errorcodes.UNDEFINED_OBJECT  # 42704: no such prepared transaction
+_SESSION_ENDED = {"57P01", "57P02", "57P03"}  # admin shutdown, crash shutdown, cannot connect now
 
 
 def _pg_xid(raw: Any, xid: Xid) -> Any:
@@ -24,7 +25,19 @@ class PostgresResource(SqlResource):
     family = "postgresql"
 
     def _is_disconnect(self, exc: BaseException) -> bool:
-        return isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError))
+        """libpq's own errors (no SQLSTATE: the server closed the connection, could not connect), SQLSTATE
+        class 08 (connection exception) and the server shutting the session down (57P01-57P03). Not every
+        OperationalError: serialization failures (40001), deadlocks (40P01) and cancelled statements (57014)
+        are OperationalErrors too, and the database answered them."""
+        if isinstance(exc, psycopg2.InterfaceError):
+            return True
+        if not isinstance(exc, psycopg2.OperationalError):
+            return False
+        code = exc.pgcode
+        return code is None or code.startswith("08") or code in _SESSION_ENDED
+
+    def _is_conflict(self, exc: BaseException) -> bool:
+        return isinstance(exc, psycopg2.Error) and (exc.pgcode or "").startswith("40")
 
     def _translate(self, exc: Exception, action: str, xid: Xid | None) -> QtpError:
         original = getattr(exc, "orig", None) or exc

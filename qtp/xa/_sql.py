@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.engine.url import URL
 
 from qtp.errors import (
+    ConflictError,
     ConfigurationError,
     ConnectionClosedError,
     QtpError,
@@ -205,13 +206,24 @@ class SqlResource(Resource):
         return _Translate(self, action, xid)
 
     def _translate(self, exc: Exception, action: str, xid: Xid | None) -> QtpError:
+        """Three kinds, decided from the driver's error code, never from its class alone: the connection is
+        lost (outcome of the statement unknown), the database rolled the work back over a conflict (a certain
+        abort, retryable), or the database refused (a certain failure)."""
         original = getattr(exc, "orig", None) or exc
         where = f"{action} on resource {self.name!r} ({self.display_url})" + (f" for {xid}" if xid else "")
-        if self._is_disconnect(original):
+        if getattr(exc, "connection_invalidated", False) or self._is_disconnect(original):
             return ResourceUnavailableError(f"{where}: database unreachable: {original}")
+        if self._is_conflict(original):
+            return ConflictError(f"{where}: the database rolled the branch back over a conflict with another "
+                                 f"transaction (run the transaction again): {original}")
         return ResourceError(f"{where} failed: {original}")
 
     def _is_disconnect(self, exc: BaseException) -> bool:
+        """The connection is gone: whatever the statement was doing, its outcome is not known here."""
+        raise NotImplementedError
+
+    def _is_conflict(self, exc: BaseException) -> bool:
+        """Serialization failure or deadlock: the database has rolled the transaction back."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ branch life

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from qtp.errors import QtpError, WsrmFault
+from qtp.errors import EncodingError, InvalidMessage
 from qtp.wsrm.protocol import (
     AckRequested,
     RMBody,
@@ -16,19 +16,7 @@ from qtp.wsrm.protocol import (
 from qtp.wsrm.codec._names import SoapVersion, WsaVersion
 
 
-class InvalidMessage(WsrmFault):
-    """Input that is not a usable WS-RM/SOAP envelope.
-
-    ``code`` is the wire fault code to answer with: a WS-RM subcode where the spec names one
-    (``InvalidAcknowledgement``, ``MessageNumberRollover``), else the SOAP code ``Sender`` (``Client`` in
-    SOAP 1.1), or ``MustUnderstand`` / ``VersionMismatch``. Retrying the same bytes cannot help.
-    """
-
-    retryable = False
-
-
-class EncodingError(QtpError, ValueError):
-    """qtp was asked to emit an envelope its version cannot express; a bug in the caller, never sent."""
+__all__ = ["Addressing", "EncodingError", "Envelope", "InvalidMessage", "SoapFault"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,16 +7,6 @@ instead), and retrying cannot help: the sequence has moved to its terminal ``FAI
 
 from __future__ import annotations
 
-from qtp.errors import QtpError
+from qtp.errors import ProtocolError
 
-
-class ProtocolError(QtpError):
-    """An event was not allowed in the state of a WS-RM state machine; the machine is now FAILED."""
-
-    retryable = False
-
-    def __init__(self, machine: str, state: str, event: str, why: str):
-        super().__init__(f"{machine} in state {state}: {event} is not allowed ({why})")
-        self.machine = machine
-        self.state = state
-        self.event = event
+__all__ = ["ProtocolError"]

@@ -15,7 +15,7 @@ import requests
 import tenacity
 from requests.adapters import HTTPAdapter
 
-from qtp.errors import QtpError
+from qtp.errors import TransportError
 from qtp.wsrm.codec import Envelope, SoapVersion, encode
 
 log = logging.getLogger("qtp.wsrm.transport")
@@ -54,11 +54,6 @@ def soap_version_of(content_type_header: str | None) -> SoapVersion | None:
     media = (content_type_header or "").split(";", 1)[0].strip().lower()
     return {"text/xml": SoapVersion.SOAP11, "application/soap+xml": SoapVersion.SOAP12}.get(media)
 
-
-class TransportError(QtpError):
-    """The peer could not be reached or did not answer; the message stays queued and is retransmitted."""
-
-    retryable = True
 
 
 @dataclass(frozen=True, slots=True)
