@@ -7,8 +7,8 @@ The commit path reads like the protocol:
    Read-only branches leave here: they take no part in phase 2 and are not logged.
 3. one branch left prepared: commit it (no other branch can disagree, so no decision needs logging).
    Several: append the COMMIT decision to the log and force it (group commit). From the append on the
-   transaction *is* committed, whatever happens next: the record reaches the disk with the next flush even
-   if this thread is interrupted while it waits.
+   decision is never contradicted: the record reaches the disk with the next flush even if this thread is
+   interrupted while it waits, so nothing may be rolled back any more.
 4. phase 2: commit every prepared branch, all at once. A failure is never turned into a rollback: the
    caller is told "committed with branches pending", the failure is logged at CRITICAL and retried in the
    background, and what retries cannot finish is left to recovery.
@@ -27,7 +27,9 @@ one-phase COMMIT: connection lost,     the COMMIT may have landed: outcome unkno
 or anything else (an interrupt)        connection dropped, OutcomeUnknownError (an interrupt re-raised)
 decision: the log write fails          unknown until recovery reads the log: every branch left prepared,
                                        OutcomeUnknownError; the failed log refuses new transactions
-decision: interrupted after append     committed: the background retry flushes the log, then phase 2
+decision: interrupted after append     unknown until the record is durable (the interrupt is re-raised):
+                                       the background retry flushes the log, then commits every branch;
+                                       if the log fails first, the branches are left to recovery
 decision: interrupted before append    roll back (no record can exist)
 phase 2 fails or is interrupted        committed with branches pending: background retry, then recovery
 rollback interrupted                   connections dropped: active branches die with them, prepared ones
@@ -144,6 +146,7 @@ class Transaction:
         self._branches: dict[int, Branch] = {}  # id(resource) -> branch
         self._sessions: dict[str, tuple[Session, dict[str, Any]]] = {}  # name -> (session, its options)
         self._on_commit: list[Callable[[], None]] = []
+        self._handed_over = False  # the background phase-2 retry finishes it (and ends it in the manager)
 
     def __repr__(self) -> str:
         return f"<Transaction {self.gtrid.decode()} {self.state.value}>"
@@ -292,8 +295,8 @@ class Transaction:
             self._run_on_commit()
 
     def _done(self) -> None:
-        """Tell the manager once the transaction has an outcome (with branches pending, the retrier does)."""
-        if self.state in FINAL and self.state is not State.COMMITTED_PENDING:
+        """Tell the manager once the transaction has an outcome (when handed to the retry, the retry does)."""
+        if self.state in FINAL and not self._handed_over:
             self.manager.finished(self)
 
     def _two_phase_commit(self) -> None:
@@ -313,8 +316,8 @@ class Transaction:
         if self.state is State.PREPARING:
             self._roll_back_all(Event.ROLLBACK)
         elif self.state is State.DECIDING:
-            if self.manager.log.holds(self.xid):  # the record will reach the disk: the decision is made
-                self._hand_to_retry(self.branches, Event.PENDING, exc)
+            if self.manager.log.holds(self.xid):  # the record will reach the disk unless the log fails first
+                self._hand_to_retry(self.branches, Event.UNKNOWN, exc)
             else:
                 self._roll_back_all(Event.ROLLBACK)
         elif self.state is State.COMMITTING:
@@ -326,9 +329,10 @@ class Transaction:
 
     def _hand_to_retry(self, branches: list[Branch], event: Event, cause: BaseException) -> None:
         self.pending = [b.name for b in branches]
-        log.critical("transaction %s is committed but its phase 2 was cut (%r); committing %s in the background",
-                     self.xid, cause, ", ".join(self.pending))
+        log.critical("transaction %s is decided (commit) but its commit path was cut (%r); the background retry "
+                     "makes the decision durable and commits %s", self.xid, cause, ", ".join(self.pending))
         self._fire(event)
+        self._handed_over = True
         self.manager.retry_phase_two(self.xid, branches)
 
     def _drop_idle(self, branches: list[Branch]) -> list[Branch]:

@@ -27,7 +27,7 @@ from qtp.wsrm.protocol._events import (
     MessageStored,
     SequenceCompleted,
 )
-from qtp.wsrm.protocol._machine import Machine, Violation
+from qtp.wsrm.protocol._machine import Machine, _Violation
 from qtp.wsrm.protocol._messages import AckRanges
 from qtp.wsrm.protocol._tables import INVOKER, InvokerState, Table
 
@@ -64,13 +64,13 @@ class InvokerBuffer(Machine[InvokerRecord]):
         if ranges.contains(r.stored, e.number):
             return r, []  # stored twice: still delivered once
         if r.final is not None and not ranges.contains(r.final, e.number):
-            raise Violation(f"message {e.number} is not part of the completed sequence")
+            raise _Violation(f"message {e.number} is not part of the completed sequence")
         return self._dispatch(dataclasses.replace(r, stored=ranges.add(r.stored, e.number)))
 
     def on_DeliveryCommitted(self, e: DeliveryCommitted) -> Step:
         r = self._record
         if e.number not in r.in_flight:
-            raise Violation(f"message {e.number} was not handed to the application")
+            raise _Violation(f"message {e.number} was not handed to the application")
         r = dataclasses.replace(r, delivered=ranges.add(r.delivered, e.number),
                                 in_flight=tuple(n for n in r.in_flight if n != e.number))
         return self._dispatch(r)
@@ -78,7 +78,7 @@ class InvokerBuffer(Machine[InvokerRecord]):
     def on_DeliveryAborted(self, e: DeliveryAborted) -> Step:
         r = self._record
         if e.number not in r.in_flight:
-            raise Violation(f"message {e.number} was not handed to the application")
+            raise _Violation(f"message {e.number} was not handed to the application")
         return self._dispatch(dataclasses.replace(r, in_flight=tuple(n for n in r.in_flight if n != e.number)))
 
     def on_SequenceCompleted(self, e: SequenceCompleted) -> Step:
@@ -86,7 +86,7 @@ class InvokerBuffer(Machine[InvokerRecord]):
         if r.final is not None:
             return r, []
         if ranges.difference(r.stored, e.received):
-            raise Violation("the completed sequence lacks messages that were stored")
+            raise _Violation("the completed sequence lacks messages that were stored")
         return self._dispatch(dataclasses.replace(r, final=e.received, state=I.DRAINING))
 
     def _dispatch(self, r: InvokerRecord) -> Step:

@@ -28,7 +28,7 @@ class Record(Protocol):
 R = TypeVar("R", bound=Record)
 
 
-class Violation(Exception):
+class _Violation(Exception):
     """Raised by a handler when an allowed event carries something impossible (a number never delivered)."""
 
 
@@ -63,7 +63,7 @@ class Machine(Generic[R]):
         handler: Callable[[Any], tuple[R, list[Action]]] = getattr(self, "on_" + event_name)
         try:
             record, actions = handler(event)
-        except Violation as exc:
+        except _Violation as exc:
             self._fail(event_name, str(exc))
         if record.state not in allowed:
             self._fail(event_name, f"handler chose {record.state.value}, table allows {_names(allowed)}")

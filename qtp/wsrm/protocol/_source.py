@@ -48,7 +48,7 @@ from qtp.wsrm.protocol._events import (
     TimerFired,
     Transmit,
 )
-from qtp.wsrm.protocol._machine import Machine, Violation
+from qtp.wsrm.protocol._machine import Machine, _Violation
 from qtp.wsrm.protocol._messages import (
     MAX_MESSAGE_NUMBER,
     AckRanges,
@@ -137,7 +137,7 @@ class SourceSequence(Machine[SourceRecord]):
         r = dataclasses.replace(self._record, complete_requested=True)
         if r.version is RMVersion.WSRM10:
             if r.next_number > r.max_message_number:
-                raise Violation("no message number is left for the LastMessage marker")
+                raise _Violation("no message number is left for the LastMessage marker")
             r, actions = self._number(r, e.now, last_message=True)
         else:
             r, actions = dataclasses.replace(r, last_number=r.next_number - 1), []
