@@ -10,7 +10,7 @@ venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml requirements.lock
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c requirements.lock -e '.[test]'
+	$(PY) -m pip install -q -c requirements.lock -e '.[test,spark,embedded]'
 	touch $(STAMP)
 
 # System packages: MariaDB server binaries (10.5+) where missing, and the JDBC drivers for Spark.

@@ -92,6 +92,9 @@ def _conf(items: list[str]) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qtp.reconcile import require_spark
+
+    require_spark()
     from qtp.reconcile._job import _stderr_log, reconcile
     from qtp.reconcile._report import summary_table, write_html, write_json
     from qtp.reconcile._sources import TableSpec
