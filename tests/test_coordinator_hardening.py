@@ -20,11 +20,10 @@ import threading
 import psycopg2
 import pymysql
 import pytest
-import sqlalchemy
 from sqlalchemy import text
 
 import qtp
-from qtp.coordinator import DecisionLog, Outcome, TRANSITIONS, State, failpoints, read_log
+from qtp.coordinator import TRANSITIONS, Outcome, State, failpoints, read_log
 from qtp.coordinator._log import LOST_MARK, read_lost_mark
 from qtp.errors import (
     ConfigurationError,
