@@ -4,7 +4,7 @@ Half the kills are SIGKILLs from outside at random moments, the other half crash
 at random (every point of the commit path, and recovery itself dying after an action). After every kill
 the node is recovered (through the code of ``qtp recover`` or at the next start, at random) and checked:
 money conserved, no transfer half-applied, no acknowledged transfer lost, the crashed transfer decided as
-its failpoint forces, nothing prepared, every row updatable at once. See qtp/recovery/_campaign.py.
+its failpoint forces, nothing prepared, every row updatable at once. See qtp/testing/crash_campaign.py.
 
     .venv/bin/python benchmarks/crash_campaign.py --kills 2000 [--budget-s 1500]
 

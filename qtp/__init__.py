@@ -12,7 +12,7 @@
         tx.connection("ledger").execute(text("UPDATE accounts SET balance = balance + 10 WHERE id = 7"))
 """
 
-from qtp import errors
+from qtp import errors, recovery  # noqa: F401 - recovery registers itself with the coordinator
 from qtp.coordinator import Outcome, Transaction, TransactionManager, current, install, transaction
 from qtp.errors import QtpError
 from qtp.wsrm.runtime import Message, Node

@@ -7,8 +7,11 @@
     log_dir = "recovery_logs"    # root of decision logs; this node's log is <log_dir>/<id>/
     timeout = 60                 # seconds a transaction may run before it is prepared
 
+    llr = true                   # Logging Last Resource: the decision in the last SQL branch's commit
+
     [resources.app]
     url = "postgresql://app@db1/app"
+    last_resource = true         # optional: prefer this database as the last resource
 
     [resources.queue]
     url = "mysql+pymysql://qtp@db2/queue"
@@ -56,6 +59,8 @@ class Config:
     recovery_interval: float | None = 60.0
     warn_prepared_age: float = 300.0
     messaging: dict = field(default_factory=dict)  # [node] endpoint/store/mode, [channels.*], [limits]
+    llr: bool = True
+    last_resources: set[str] = field(default_factory=set)
 
 
 def load_config(path: str | Path) -> Config:
@@ -74,11 +79,18 @@ def load_config(path: str | Path) -> Config:
     log_dir = Path(node.get("log_dir", "recovery_logs"))
     if not log_dir.is_absolute():
         log_dir = path.parent / log_dir
-    resources = {}
+    resources, last_resources = {}, set()
     for name, table in (data.get("resources") or {}).items():
         if not isinstance(table, dict) or not isinstance(table.get("url"), str):
             raise ConfigurationError(f"{path}: [resources.{name}] needs a url = \"...\" entry")
+        if set(table) - {"url", "last_resource"} or not isinstance(table.get("last_resource", False), bool):
+            raise ConfigurationError(f"{path}: [resources.{name}] takes url = \"...\" and last_resource = "
+                                     "true|false")
         resources[name] = table["url"]
+        if table.get("last_resource"):
+            last_resources.add(name)
+    if not isinstance(node.get("llr", True), bool):
+        raise ConfigurationError(f"{path}: [node] llr must be true or false")
     unknown = set(data) - {"node", "resources", "channels", "recovery", "limits"}
     if unknown:
         raise ConfigurationError(f"{path}: unknown table(s) {sorted(unknown)}; expected [node] and [resources.NAME]")
@@ -90,7 +102,8 @@ def load_config(path: str | Path) -> Config:
     messaging = {"node": {k: v for k, v in node.items() if k in ("endpoint", "listen", "store", "mode")},
                  "channels": data.get("channels") or {}, "limits": data.get("limits") or {}}
     return Config(node_id=str(node["id"]), log_dir=log_dir, timeout=timeout, resources=resources, path=path,
-                  recovery_interval=interval, warn_prepared_age=warn_age, messaging=messaging)
+                  recovery_interval=interval, warn_prepared_age=warn_age, messaging=messaging,
+                  llr=node.get("llr", True), last_resources=last_resources)
 
 
 def _recovery_settings(path: Path, table: object) -> tuple[float | None, float]:

@@ -54,7 +54,8 @@ def prepared_left(engine: sqlalchemy.Engine) -> int:
 
 @pytest.fixture
 def tm(tmp_path):
-    manager = qtp.TransactionManager(node_id="test-node", log_dir=tmp_path / "logs")
+    # the file-log path; Logging Last Resource has its own tests (test_llr.py)
+    manager = qtp.TransactionManager(node_id="test-node", log_dir=tmp_path / "logs", llr=False)
     qtp.install(manager)
     yield manager
     qtp.install(None)

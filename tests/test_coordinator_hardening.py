@@ -42,7 +42,8 @@ from test_coordinator import BALANCE, balances, make_accounts, prepared_left, tr
 
 @pytest.fixture
 def tm(tmp_path):
-    manager = qtp.TransactionManager(node_id="test-node", log_dir=tmp_path / "logs", recovery_interval=None)
+    manager = qtp.TransactionManager(node_id="test-node", log_dir=tmp_path / "logs", recovery_interval=None,
+                                     llr=False)  # these holes are in the file-log path
     qtp.install(manager)
     yield manager
     qtp.install(None)

@@ -1,6 +1,6 @@
 """The random campaign: a transferring process is SIGKILLed from outside at random moments, over and over.
 
-Runs ``python -m qtp.recovery._campaign`` (which forks the children, kills them, recovers through the code of
+Runs ``python -m qtp.testing.crash_campaign`` (which forks the children, kills them, recovers through the code of
 ``qtp recover`` or at the next start, and checks every property after every kill) against the session's
 servers, then checks the databases again itself.
 """
@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from qtp.config import load_config
-from qtp.recovery._workload import check_pair
+from qtp.testing.crash_workload import check_pair
 
 KILLS = 210  # 70 per database pair
 
@@ -20,7 +20,7 @@ KILLS = 210  # 70 per database pair
 def test_random_sigkill_campaign(pg_server, maria_server, tmp_path):
     out = tmp_path / "campaign.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "qtp.recovery._campaign", "--kills", str(KILLS), "--scenarios", "sigkill",
+        [sys.executable, "-m", "qtp.testing.crash_campaign", "--kills", str(KILLS), "--scenarios", "sigkill",
          "--workdir", str(tmp_path), "--pg-root", str(pg_server.root), "--maria-root", str(maria_server.root),
          "--seed", "3", "--tag", "rk", "--json", str(out)],
         capture_output=True, text=True, timeout=900,

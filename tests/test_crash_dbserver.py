@@ -18,7 +18,7 @@ import pytest
 
 from qtp.coordinator import read_log
 from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres
-from qtp.recovery._workload import check_pair, drain, prepared_branches, engine, setup_database, write_config
+from qtp.testing.crash_workload import check_pair, drain, prepared_branches, engine, setup_database, write_config
 
 
 def _throw_away(server):
@@ -42,7 +42,7 @@ class Child:
 
     def __init__(self, config, node_log):
         env = {**os.environ, "QTP_FAILPOINTS": "after_decision_forced=delay:2000@2"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "qtp.recovery._crashchild", "--config", str(config),
+        self.proc = subprocess.Popen([sys.executable, "-m", "qtp.testing.crash_child", "--config", str(config),
                                       "--transfers", "3"], stdout=subprocess.PIPE, text=True, env=env)
         self.node_log = node_log
         self.lines: list[str] = []

@@ -1,4 +1,6 @@
-"""The failpoint matrix: every failpoint x {PG+PG, PG+MariaDB, MariaDB+MariaDB} x {qtp recover, next start}.
+"""The failpoint matrix: every failpoint x {PG+PG, PG+MariaDB, MariaDB+MariaDB} x {qtp recover, next start},
+once with the file decision log and once with Logging Last Resource (its own failpoints around the last
+branch's COMMIT).
 
 A child process (a real interpreter, failpoints from ``QTP_FAILPOINTS``) runs transfers and dies at the
 failpoint (``crash`` = SIGKILL to itself). Recovery then runs through the real ``qtp recover`` command, or
@@ -18,24 +20,27 @@ import sys
 
 import pytest
 
-from qtp.recovery._campaign import EXPECTED, FAILPOINT_SCENARIOS
-from qtp.recovery._workload import check_pair, drain, setup_database, write_config
+from qtp.testing.crash_campaign import EXPECTED, FAILPOINT_SCENARIOS, LLR_FAILPOINT_SCENARIOS, decision_point
+from qtp.testing.crash_workload import check_pair, drain, setup_database, write_config
 
 PAIRS = ("pg+pg", "pg+maria", "maria+maria")
+MODES = ("log", "llr")
+SCENARIOS = [("log", point) for point in FAILPOINT_SCENARIOS] + [("llr", point) for point in LLR_FAILPOINT_SCENARIOS]
 _names = itertools.count()
 
 
 class Node:
     """A pair of databases and the qtp.toml of the node that transfers between them."""
 
-    def __init__(self, pair, pg_server, maria_server, tmp):
+    def __init__(self, pair, mode, pg_server, maria_server, tmp):
         servers = {"pg": pg_server, "maria": maria_server}
-        tag = f"mx{next(_names)}_{pair.replace('+', '_')}"
+        self.llr = mode == "llr"
+        tag = f"mx{next(_names)}_{mode}_{pair.replace('+', '_')}"
         self.urls = [servers[kind].create_database(f"{tag}_{side}") for kind, side in zip(pair.split("+"), "ab")]
         for url in self.urls:
             setup_database(url)
         self.node_id = tag.replace("_", "-")
-        self.config = write_config(tmp / f"{tag}.toml", self.node_id, tmp / "logs", *self.urls)
+        self.config = write_config(tmp / f"{tag}.toml", self.node_id, tmp / "logs", *self.urls, llr=self.llr)
         self.done: set[str] = set()
         self.started: set[str] = set()
 
@@ -44,7 +49,7 @@ class Node:
         env.pop("QTP_FAILPOINTS", None)
         if failpoints:
             env["QTP_FAILPOINTS"] = failpoints
-        proc = subprocess.run([sys.executable, "-m", "qtp.recovery._crashchild", "--config", str(self.config),
+        proc = subprocess.run([sys.executable, "-m", "qtp.testing.crash_child", "--config", str(self.config),
                                "--transfers", str(transfers)], capture_output=True, text=True, env=env, timeout=120)
         lines = proc.stdout.splitlines()
         self.started |= {line[2:] for line in lines if line.startswith("T ")}
@@ -70,12 +75,12 @@ class Node:
 @pytest.fixture(scope="module")
 def nodes(pg_server, maria_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("matrix")
-    return {pair: Node(pair, pg_server, maria_server, tmp) for pair in PAIRS}
+    return {(pair, mode): Node(pair, mode, pg_server, maria_server, tmp) for pair in PAIRS for mode in MODES}
 
 
 def _crash(node: Node, failpoint: str) -> str | None:
     """Run transfers until the failpoint kills the child; return the transfer it was in the middle of."""
-    point = "after_decision_forced" if failpoint == "recovery_after_action" else failpoint
+    point = decision_point(node.llr) if failpoint == "recovery_after_action" else failpoint
     code, lines = node.child(f"{point}=crash@2", transfers=6)
     assert code == -9, f"the child should have died at {point}: exit {code}, output {lines[-5:]}"
     started = [line[2:] for line in lines if line.startswith("T ")]
@@ -85,13 +90,14 @@ def _crash(node: Node, failpoint: str) -> str | None:
 
 
 @pytest.mark.parametrize("route", ["cli", "auto"])
-@pytest.mark.parametrize("failpoint", FAILPOINT_SCENARIOS)
+@pytest.mark.parametrize("mode, failpoint", SCENARIOS)
 @pytest.mark.parametrize("pair", PAIRS)
-def test_crash_at_failpoint_then_recover(nodes, pair, failpoint, route):
-    node = nodes[pair]
+def test_crash_at_failpoint_then_recover(nodes, pair, mode, failpoint, route):
+    node = nodes[pair, mode]
     tid = _crash(node, failpoint)
     before = node.check(update=False)
-    if failpoint.startswith("after_prepare") or failpoint in ("after_decision_forced", "recovery_after_action"):
+    if failpoint.startswith(("after_prepare", "llr_")) or failpoint in ("after_decision_forced",
+                                                                      "recovery_after_action"):
         assert before.prepared, "a crash between a yes vote and phase 2 leaves branches in doubt"
 
     if failpoint == "recovery_after_action":  # recovery itself dies after its first action
@@ -120,8 +126,8 @@ def test_crash_at_failpoint_then_recover(nodes, pair, failpoint, route):
         assert report["committed"] == 0 and report["rolled_back"] == len(before.prepared)
     else:
         assert report["rolled_back"] == 0 and report["committed"] == len(before.prepared)
-        if failpoint == "after_decision_forced":
-            assert len(before.prepared) == 2
+        if failpoint == decision_point(node.llr):
+            assert len(before.prepared) == (1 if node.llr else 2)  # LLR: the last branch committed itself
 
     after = node.check()
     assert after.violations == []
@@ -133,10 +139,11 @@ def test_crash_at_failpoint_then_recover(nodes, pair, failpoint, route):
 
 def test_transfers_still_work_after_the_matrix(nodes):
     """The nodes, their logs and their databases are healthy after all those crashes."""
-    for node in nodes.values():
+    for node in nodes.values():  # both modes: LLR decision rows are deleted like END records
         code, lines = node.child(None, transfers=3)
         assert code == 0 and sum(line.startswith("D ") for line in lines) == 3, lines
         status = node.qtp("status", "--json")
         assert status.returncode == 0, status.stdout + status.stderr
-        assert json.loads(status.stdout)["open_decisions"] == 0
+        data = json.loads(status.stdout)
+        assert data["open_decisions"] == 0 and data["last_resource_decisions"] == 0
         assert node.check().violations == []

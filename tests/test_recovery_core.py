@@ -25,7 +25,7 @@ from qtp.coordinator import DecisionLog, TransactionManager, failpoints, read_lo
 from qtp.embedded import free_port
 from qtp.recovery import QUARANTINE_FILE, read_quarantine, recover_node
 from qtp.recovery._core import HEURISTIC, LOG_MISSING, NOT_CONFIGURED, QUARANTINED
-from qtp.recovery._workload import check_pair, drain, setup_database, write_config
+from qtp.testing.crash_workload import check_pair, drain, setup_database, write_config
 from qtp.xa import MemoryResource, MemoryStore, Xid
 
 _ids = itertools.count()
@@ -324,7 +324,7 @@ def test_status_shows_in_doubt_branches_with_their_age_and_warns_about_old_ones(
         setup_database(url)
     config = write_config(tmp_path / "st.toml", "st-node", tmp_path / "logs", *urls)
     config.write_text(config.read_text().replace("interval = 0", "interval = 0\nwarn_prepared_age = 0"))
-    crash = subprocess.run([sys.executable, "-m", "qtp.recovery._crashchild", "--config", str(config)],
+    crash = subprocess.run([sys.executable, "-m", "qtp.testing.crash_child", "--config", str(config)],
                            env={**os.environ, "QTP_FAILPOINTS": "after_decision_forced=crash"},
                            capture_output=True, text=True, timeout=60)
     assert crash.returncode == -9

@@ -21,7 +21,7 @@ import pytest
 
 from qtp.coordinator import read_log
 from qtp.recovery import QUARANTINE_FILE
-from qtp.recovery._workload import check_pair, drain, setup_database, write_config
+from qtp.testing.crash_workload import check_pair, drain, setup_database, write_config
 
 _n = itertools.count()
 
@@ -49,7 +49,7 @@ class CrashedNode:
         env = {k: v for k, v in os.environ.items() if k != "QTP_FAILPOINTS"}
         if failpoints:
             env["QTP_FAILPOINTS"] = failpoints
-        proc = subprocess.run([sys.executable, "-m", "qtp.recovery._crashchild", "--config", str(self.config),
+        proc = subprocess.run([sys.executable, "-m", "qtp.testing.crash_child", "--config", str(self.config),
                                "--transfers", str(transfers)], capture_output=True, text=True, env=env, timeout=120)
         return proc.returncode, proc.stdout.splitlines() + proc.stderr.splitlines()
 

@@ -1,5 +1,11 @@
 """The transaction manager: resources by name, the decision log, the current transaction (a context variable:
-one per thread, and one per asyncio task)."""
+one per thread, and one per asyncio task).
+
+Recovery is not the coordinator's business: the manager is handed a recovery *scheduler* (anything with
+``start()``, ``run_once(dry_run=)`` and ``stop()``), made by ``recovery_factory(manager)``. ``qtp.recovery``
+registers its ``RecoveryService`` as the default factory when it is imported (``import qtp`` does that), so
+the dependency runs one way: recovery knows the coordinator, the coordinator does not know recovery.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import time
 import concurrent.futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import tenacity
 from sqlalchemy.engine import Engine
@@ -36,18 +42,22 @@ log = logging.getLogger("qtp.coordinator")
 DEFAULT_LOG_DIR = "recovery_logs"
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_RECOVERY_INTERVAL_S = 60.0
+FORGET_BATCH = 256  # LLR decision rows deleted in one statement
+FORGET_INTERVAL_S = 1.0
 
 
 class TransactionManager:
     """Runs global transactions over named resources with a durable decision log.
 
     ``log_dir`` is the root of decision logs; this node's log lives in ``<log_dir>/<node_id>/`` and is
-    locked while the manager is open.
+    locked while the manager is open. ``llr``: commit the decision in the last SQL branch's own local
+    transaction instead of forcing the file log (Logging Last Resource, see ``qtp.coordinator._transaction``).
     """
 
     def __init__(self, node_id: str, log_dir: str | Path = DEFAULT_LOG_DIR, timeout: float = DEFAULT_TIMEOUT_S,
                  phase_two_retry_s: float = 30.0, max_workers: int = 32,
-                 recovery_interval: float | None = DEFAULT_RECOVERY_INTERVAL_S):
+                 recovery_interval: float | None = DEFAULT_RECOVERY_INTERVAL_S, llr: bool = True,
+                 recovery_factory: Callable[["TransactionManager"], RecoveryScheduler] | None = None):
         self.node_id = validate_name("node id", node_id, MAX_NODE_ID)
         self.gtrid_prefix = f"{node_id}/".encode()  # a transaction's gtrid: this + 32 random hex digits
         if not math.isfinite(timeout) or timeout <= 0:
@@ -60,7 +70,8 @@ class TransactionManager:
             write_lost_mark(self.log_dir, {"created_at": time.time(), "vetted": []})
         self.log = DecisionLog(self.log_dir)
         self.recovery_interval = recovery_interval
-        self._recovery: Any = None  # qtp.recovery.RecoveryService, started by start_recovery()
+        self._recovery: RecoveryScheduler | None = None  # made and started by start_recovery()
+        self._recovery_factory = recovery_factory
         self._resources: dict[str, Resource] = {}
         self._current: contextvars.ContextVar[Transaction | None] = contextvars.ContextVar(
             f"qtp_current_{node_id}", default=None)
@@ -73,6 +84,12 @@ class TransactionManager:
         self._parallel_limit = os.cpu_count() or 1
         self._in_flight_lock = threading.Lock()
         self.node: Any = None  # the qtp.Node (messaging) attached to this manager, if any
+        self.llr = llr
+        self._preferred_last: set[int] = set()  # id() of resources configured as the last resource
+        self._forgetting: dict[int, tuple[Resource, list[str]]] = {}  # LLR rows to delete, per resource
+        self._forget_lock = threading.Lock()
+        self._forgetter: threading.Thread | None = None
+        self._forget_wakeup = threading.Event()
 
     @classmethod
     def from_config(cls, path: str | Path) -> "TransactionManager":
@@ -81,9 +98,9 @@ class TransactionManager:
 
         config = load_config(path)
         manager = cls(config.node_id, config.log_dir, timeout=config.timeout,
-                      recovery_interval=config.recovery_interval)
+                      recovery_interval=config.recovery_interval, llr=config.llr)
         for name, url in config.resources.items():
-            manager.add_resource(name, url)
+            manager.add_resource(name, url, last_resource=name in config.last_resources)
         manager.start_recovery()
         if config.messaging["channels"] or config.messaging["node"].get("endpoint"):
             from qtp.wsrm.runtime import Node, node_settings
@@ -96,11 +113,13 @@ class TransactionManager:
 
     # ------------------------------------------------------------------ resources
 
-    def add_resource(self, name: str, target: str | Engine | Resource, **engine_kw: Any) -> Resource:
+    def add_resource(self, name: str, target: str | Engine | Resource, last_resource: bool = False,
+                     **engine_kw: Any) -> Resource:
         """Register a resource under ``name``: a URL, a SQLAlchemy engine, or a Resource.
 
         A name whose database is already registered under another name becomes an alias of it: both
-        names then share one branch in every transaction.
+        names then share one branch in every transaction. ``last_resource``: prefer this SQL database as
+        the last resource of Logging Last Resource commits.
         """
         validate_name("resource name", name)
         if name in self._resources:
@@ -112,6 +131,11 @@ class TransactionManager:
                     resource.close()
                 resource = existing
                 break
+        if last_resource:
+            if not resource.last_resource_capable:
+                raise ConfigurationError(f"resource {name!r} cannot be the last resource: only a SQL database "
+                                         "can hold the commit decision in its own transaction")
+            self._preferred_last.add(id(resource))
         self._resources[name] = resource
         return resource
 
@@ -247,12 +271,14 @@ class TransactionManager:
         ``recovery_interval`` seconds in the background. Runs by itself at the first ``begin()`` (and in
         ``from_config``); call it after ``add_resource`` to recover before any traffic. Returns the start-up
         pass's RecoveryReport, or None when recovery had already started."""
-        from qtp.recovery import RecoveryService
-
+        factory = self._recovery_factory or _default_recovery_factory
+        if factory is None:
+            raise ConfigurationError("no recovery for this manager: import qtp.recovery (import qtp does), or pass "
+                                     "TransactionManager(recovery_factory=...)")
         with self._in_flight_lock:
             if self._recovery is not None:
                 return None
-            self._recovery = RecoveryService(self, self.recovery_interval)
+            self._recovery = factory(self)
         return self._recovery.start()
 
     def recover(self, dry_run: bool = False) -> Any:
@@ -261,25 +287,75 @@ class TransactionManager:
             self.start_recovery()
         return self._recovery.run_once(dry_run=dry_run)
 
+    # ------------------------------------------------------------------ Logging Last Resource
+
+    def last_resource_of(self, branches: list[Branch]) -> Branch | None:
+        """The branch whose one-phase COMMIT will carry the decision, or None for the file log: the one
+        configured ``last_resource``, else the SQL branch that ran most statements (the first enlisted on a
+        tie: the busiest branch is the one most worth sparing a prepare)."""
+        if not self.llr:
+            return None
+        capable = [b for b in branches if b.resource.last_resource_capable]
+        if not capable:
+            return None
+        preferred = [b for b in capable if id(b.resource) in self._preferred_last]
+        if preferred:
+            return preferred[0]
+        return max(capable, key=lambda b: b.resource.work_done(b.xid))  # max keeps the first of equals
+
+    def forget_decision(self, resource: Resource, gtrid: str) -> None:
+        """Queue the deletion of a decision row whose transaction is complete; rows go in batches."""
+        with self._forget_lock:
+            entry = self._forgetting.setdefault(id(resource), (resource, []))
+            entry[1].append(gtrid)
+            if self._forgetter is None:
+                self._forgetter = threading.Thread(target=self._forget_loop, name="qtp-llr-forget", daemon=True)
+                self._forgetter.start()
+            if len(entry[1]) >= FORGET_BATCH:
+                self._forget_wakeup.set()
+
+    def _forget_loop(self) -> None:
+        while not self._closed:
+            self._forget_wakeup.wait(FORGET_INTERVAL_S)
+            self._forget_wakeup.clear()
+            self.forget_now()
+
+    def forget_now(self) -> None:
+        """Delete the queued decision rows now. A row left behind (database down, crash) is harmless:
+        recovery deletes it once it finds nothing of its transaction in doubt."""
+        with self._forget_lock:
+            batches, self._forgetting = list(self._forgetting.values()), {}
+        for resource, gtrids in batches:
+            try:
+                resource.forget_decisions(gtrids)
+            except Exception as exc:  # housekeeping: retried with the next batch
+                log.warning("could not delete %d decision row(s) from %s yet: %s", len(gtrids), resource.name, exc)
+                with self._forget_lock:
+                    self._forgetting.setdefault(id(resource), (resource, []))[1].extend(gtrids)
+
     # ------------------------------------------------------------------ phase-2 retries
 
-    def retry_phase_two(self, gtrid: str, branches: list[Branch]) -> None:
+    def retry_phase_two(self, gtrid: str, branches: list[Branch], end: Callable[[], None] | None = None,
+                        durable_first: bool = True) -> None:
         """Keep committing ``branches`` of a decided transaction in the background. The transaction stays
         in flight (recovery leaves it alone) until the retries end; what they cannot finish, recovery does.
 
-        The decision is made durable first: a committer interrupted while waiting for the flush hands its
-        branches over with the record still in the log's buffer. If the log cannot be written, no branch is
-        committed: each is left prepared for the recovery that reads the log after a restart."""
+        With ``durable_first`` (a decision in the file log) the decision is made durable first: a committer
+        interrupted while waiting for the flush hands its branches over with the record still in the log's
+        buffer. If the log cannot be written, no branch is committed: each is left prepared for the recovery
+        that reads the log after a restart. ``end`` forgets the decision once every branch committed."""
         with self._in_flight_lock:
-            future = self._retry_pool.submit(self._retry, gtrid, branches)
+            future = self._retry_pool.submit(self._retry, gtrid, branches, end or (lambda: self.log.log_end(gtrid)),
+                                             durable_first)
             self._retry_futures.add(future)
         future.add_done_callback(self._retry_futures.discard)
 
-    def _retry(self, gtrid: str, branches: list[Branch]) -> None:
+    def _retry(self, gtrid: str, branches: list[Branch], end: Callable[[], None], durable_first: bool) -> None:
         try:
-            self.log.flush()
-            if self.log.failed:
-                raise LogError(f"decision log failed: {self.log.failure}")
+            if durable_first:
+                self.log.flush()
+                if self.log.failed:
+                    raise LogError(f"decision log failed: {self.log.failure}")
         except BaseException as exc:
             for branch in branches:
                 branch.resource.detach(branch.xid)
@@ -304,7 +380,7 @@ class TransactionManager:
                 log.critical("transaction %s: phase-2 retries of branch %s gave up (%s); run `qtp recover` or "
                              "let the periodic recovery finish it", gtrid, xid.branch, exc)
         if not left:
-            self.log.log_end(gtrid)
+            end()
             log.warning("transaction %s: pending branches committed by the background retry", gtrid)
         with self._in_flight_lock:
             self._in_flight.pop(gtrid, None)
@@ -335,6 +411,10 @@ class TransactionManager:
         self.wait_retries()
         self._retry_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        self._forget_wakeup.set()
+        if self._forgetter is not None:
+            self._forgetter.join()
+        self.forget_now()
         self.log.close()
         for resource in self.distinct_resources():
             resource.close()
@@ -344,6 +424,29 @@ class TransactionManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------- recovery, handed in
+
+
+class RecoveryScheduler(Protocol):
+    """What the manager needs of recovery: a start-up pass (then whatever schedule it keeps), a pass on
+    demand, and a stop."""
+
+    def start(self) -> Any: ...
+
+    def run_once(self, dry_run: bool = False) -> Any: ...
+
+    def stop(self) -> None: ...
+
+
+_default_recovery_factory: Callable[[TransactionManager], RecoveryScheduler] | None = None
+
+
+def set_default_recovery(factory: Callable[[TransactionManager], RecoveryScheduler]) -> None:
+    """Called by ``qtp.recovery`` at import: how managers built without a ``recovery_factory`` recover."""
+    global _default_recovery_factory
+    _default_recovery_factory = factory
 
 
 # ---------------------------------------------------------------------- the installed manager

@@ -14,6 +14,16 @@ The commit path reads like the protocol:
    background, and what retries cannot finish is left to recovery.
 5. an unforced END record lets the log forget the transaction.
 
+Logging Last Resource (the manager's ``llr``, on by default). When two or more branches wrote and one of
+them is a SQL database, that one (the *last resource*: the one configured ``last_resource``, else the SQL
+branch that ran most statements, the first enlisted on a tie) is not prepared. Instead, while the others
+are asked to vote, the decision row (gtrid, node id, the other branches) is inserted into that branch's own
+``qtp_llr_decision`` table; once every other branch voted yes, the last branch is committed in one phase.
+That local COMMIT *is* the decision: the row exists if and only if it committed. No log write is forced
+and one prepare is saved. Phase 2 then commits the prepared branches, and the row is deleted later in a
+batch (the END record, in effect). Recovery looks an in-doubt transaction up in the file log and in the
+decision tables of every SQL resource of the node.
+
 Every state change goes through one table, ``TRANSITIONS[(state, event)]``; a pair that is not in it is a
 TransactionStateError. Nothing else assigns the state.
 
@@ -22,6 +32,10 @@ where it strikes; each rule is carried out by ``_settle_after`` or the step name
 
 =====================================  ==================================================================
 before the decision (flush, votes)     roll every branch back; RollbackError (an interrupt is re-raised)
+LLR: the last COMMIT, database says    certain abort: the prepared branches are rolled back; RollbackError
+no (or the decision row failed)
+LLR: the last COMMIT, connection       unknown: the prepared branches are left to recovery, which finds the
+lost or interrupted                    decision row or presumes abort; OutcomeUnknownError
 one-phase COMMIT: database says no     certain abort: RollbackError (``_commit_one_phase``)
 one-phase COMMIT: connection lost,     the COMMIT may have landed: outcome unknown, the branch's
 or anything else (an interrupt)        connection dropped, OutcomeUnknownError (an interrupt re-raised)
@@ -147,6 +161,7 @@ class Transaction:
         self._sessions: dict[str, tuple[Session, dict[str, Any]]] = {}  # name -> (session, its options)
         self._on_commit: list[Callable[[], None]] = []
         self._handed_over = False  # the background phase-2 retry finishes it (and ends it in the manager)
+        self._last: Branch | None = None  # the last resource, once its COMMIT made the decision (LLR)
 
     def __repr__(self) -> str:
         return f"<Transaction {self.gtrid.decode()} {self.state.value}>"
@@ -304,6 +319,10 @@ class Transaction:
         if len(branches) <= 1:
             self._commit_one_phase(branches)
             return
+        last = self.manager.last_resource_of(branches)
+        if last is not None:
+            self._commit_last_resource(branches, last)
+            return
         prepared = self._phase_one(branches)
         if len(prepared) <= 1:
             self._commit_sole_prepared(prepared)
@@ -333,7 +352,7 @@ class Transaction:
                      "makes the decision durable and commits %s", self.xid, cause, ", ".join(self.pending))
         self._fire(event)
         self._handed_over = True
-        self.manager.retry_phase_two(self.xid, branches)
+        self.manager.retry_phase_two(self.xid, branches, end=self._end, durable_first=self._last is None)
 
     def _drop_idle(self, branches: list[Branch]) -> list[Branch]:
         """End the branches that did no work (read-only, no round trip); return the others."""
@@ -383,6 +402,57 @@ class Transaction:
         if failure is not None:
             self._abort(failure, "a branch voted no")
         return [b for b, vote in zip(branches, results) if vote is Vote.YES]
+
+    def _commit_last_resource(self, branches: list[Branch], last: Branch) -> None:
+        """Logging Last Resource (see the module docstring): the last branch's one-phase COMMIT, carrying
+        the decision row, is the decision."""
+        others = [b for b in branches if b is not last]
+        failpoint("before_prepare")
+
+        def vote(index: int, branch: Branch) -> Vote:
+            if branch is last:  # pipelined with the others' prepares: rolled back with the branch if need be
+                last.resource.write_decision(last.xid, self.xid, [b.name for b in others])
+                return Vote.YES
+            result = branch.resource.prepare(branch.xid)
+            failpoint(f"after_prepare_{index}")
+            return result
+
+        self.manager.log.voting(+1)
+        try:
+            results = self.manager.fan_out(vote, [*others, last])
+        finally:
+            self.manager.log.voting(-1)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            self._abort(failure, "a branch voted no")
+        prepared = [b for b, result in zip(others, results) if result is Vote.YES]
+        self._fire(Event.DECIDE)
+        failpoint("llr_before_last_commit")
+        try:
+            last.resource.commit(last.xid, one_phase=True)
+        except ResourceUnavailableError as exc:
+            self._leave_to_recovery(prepared, last, exc, "the connection broke during its COMMIT")
+        except ResourceError as exc:  # the database answered: the last branch did not commit
+            self._abort(exc, f"the last resource {last.name} refused to commit")
+        except BaseException as exc:
+            self._leave_to_recovery(prepared, last, exc, "its COMMIT was interrupted")
+        self._fire(Event.DECIDED)
+        self._last = last
+        failpoint("llr_after_last_commit")
+        self._phase_two(prepared)
+
+    def _leave_to_recovery(self, prepared: list[Branch], last: Branch, cause: BaseException, what: str) -> None:
+        for branch in (*prepared, last):
+            branch.resource.detach(branch.xid)
+        self._give_up_knowing(cause, f"the last resource {last.name} holds the decision and {what}, so only "
+                                     "its decision table can tell whether the transaction committed")
+
+    def _end(self) -> None:
+        """Every branch committed: the decision can be forgotten (END record, or the LLR row in a batch)."""
+        if self._last is not None:
+            self.manager.forget_decision(self._last.resource, self.xid)
+        else:
+            self.manager.log.log_end(self.xid)
 
     def _commit_sole_prepared(self, prepared: list[Branch]) -> None:
         """Every other branch was read-only: the one prepared branch decides alone, nothing is logged.
@@ -437,7 +507,7 @@ class Transaction:
             self._hand_to_retry([b for b, _ in failed], Event.PENDING, failed[0][1])
             return
         failpoint("before_end_record")
-        self.manager.log.log_end(self.xid)
+        self._end()
         self._fire(Event.COMMITTED)
 
     def rollback(self) -> None:

@@ -15,6 +15,9 @@ from qtp.recovery._node import (
     recover_node,
 )
 from qtp.recovery._service import RecoveryService
+from qtp.coordinator._manager import set_default_recovery
+
+set_default_recovery(lambda manager: RecoveryService(manager, manager.recovery_interval))
 
 __all__ = [
     "QUARANTINE_FILE", "LiveManagerError", "NodeStatus", "RecoveryReport", "RecoveryService", "Row",

@@ -5,7 +5,12 @@ before the first phase-2 commit, and logs nothing for a transaction that aborts.
 branch of this node:
 
 - its global transaction has an open COMMIT record  -> commit the branch;
-- it has none                                       -> nothing can have committed: roll the branch back.
+- or a decision row in the ``qtp_llr_decision`` table of one of the node's SQL databases (Logging Last
+  Resource: the row was committed with the last branch, so it exists if and only if the transaction
+  committed)                                        -> commit the branch;
+- it has neither                                    -> nothing can have committed: roll the branch back.
+  But if a SQL database's decision table cannot be read, its row may be the one missing: the branch is
+  left in doubt, with the reason, and never presumed aborted.
 
 Both actions are idempotent by xid (the resource contract), so a pass that dies half-way (or a second
 pass racing the phase-2 retry of the live manager) only repeats work. Once every branch of a decided
@@ -49,6 +54,7 @@ HEURISTIC = "heuristic hazard"
 LOG_MISSING = "decision log missing"
 QUARANTINED = "quarantined (log was missing)"
 UNVETTED = "log was lost, resource not yet vetted"
+DECISIONS_UNREADABLE = "a last-resource decision table is unreadable"
 NOT_CONFIGURED = "resource not configured"
 ACTION_FAILED = "action failed"
 
@@ -133,6 +139,8 @@ class RecoveryReport:
                        "refused the action; repair the data by hand, then run `qtp recover` again",
             LOG_MISSING: "the decision log directory is missing or empty: restore it from a backup and run "
                          "`qtp recover` again, or resolve these branches by hand (docs/recovery.md)",
+            DECISIONS_UNREADABLE: "a SQL database that may hold this transaction's commit decision (Logging Last "
+                                  "Resource) could not be read: bring it back and run `qtp recover` again",
             UNVETTED: "the node's decision log was lost and this resource has not been checked since: start the "
                       "node's manager while the resource is reachable (it quarantines what the lost log may have "
                       "decided), then resolve the quarantined branches by hand (docs/recovery.md)",
@@ -206,6 +214,8 @@ class Plan:
     previous: set[Xid] | None = None  # the previous pass's scan (two-pass rule); None: act at once
     quarantine: set[str] = field(default_factory=set)  # str(xid) never to be touched automatically
     unvetted: set[str] = field(default_factory=set)  # resources the (lost) log may not speak for
+    llr: dict[str, tuple[list[str], Resource]] = field(default_factory=dict)  # gtrid -> (branches, holder)
+    unreadable: dict[str, str] = field(default_factory=dict)  # decision tables that could not be read
 
 
 def run_pass(
@@ -234,13 +244,32 @@ def run_pass(
     found = scan(resources, report)
     plan = Plan(found, None, set(in_flight()), previous, set(quarantine), set(unvetted))
     plan.decisions = read_decisions()
-    report.open_decisions = len(plan.decisions or {})
+    plan.llr, plan.unreadable = read_last_resource_decisions(node_id, resources)
+    report.open_decisions = len(plan.decisions or {}) + len(plan.llr)
     rows, work = _decide(plan, report)
     _act(work, dry_run, workers)
     _end_records(plan, resources, report, rows, end, dry_run)
     report.rows = sorted(rows, key=lambda r: (r.xid, r.resource))
     report.duration_s = time.monotonic() - started
     return report, {f.xid for f in found}
+
+
+def read_last_resource_decisions(node_id: str, resources: list[Resource]
+                                 ) -> tuple[dict[str, tuple[list[str], Resource]], dict[str, str]]:
+    """The Logging Last Resource decision rows of ``node_id`` in every SQL resource (gtrid -> (the other
+    branches, the resource holding the row)), and the resources whose table could not be read."""
+    found: dict[str, tuple[list[str], Resource]] = {}
+    unreadable: dict[str, str] = {}
+    for resource in resources:
+        if not resource.last_resource_capable:
+            continue
+        try:
+            rows = resource.read_decisions(node_id)
+        except QtpError as exc:
+            unreadable[resource.name] = str(exc)
+            continue
+        found.update((gtrid, (branches, resource)) for gtrid, branches in rows.items())
+    return found, unreadable
 
 
 def _decide(plan: Plan, report: RecoveryReport) -> tuple[list[Row], list[tuple[Row, Found, bool]]]:
@@ -250,18 +279,23 @@ def _decide(plan: Plan, report: RecoveryReport) -> tuple[list[Row], list[tuple[R
         row = Row(str(f.xid), f.resource.name, age_of(f.prepared_at), "", "", "")
         rows.append(row)
         decided = plan.decisions.get(f.gtrid) if plan.decisions is not None else None
+        if decided is None and f.gtrid in plan.llr:
+            decided = plan.llr[f.gtrid][0]  # a committed decision row needs no log to be believed
         if f.gtrid in plan.in_flight:
             row.decision = "commit" if decided is not None else "none yet"
             row.action, row.result = "skip (in flight)", "left to the live transaction"
         elif str(f.xid) in plan.quarantine:
             row.decision, row.action, row.result, row.problem = ("unknown", "leave in doubt", "left in doubt",
                                                                  QUARANTINED)
-        elif plan.decisions is None:
+        elif decided is None and plan.decisions is None:
             row.decision, row.action, row.result, row.problem = ("log missing", "leave in doubt", "left in doubt",
                                                                  LOG_MISSING)
-        elif f.resource.name in plan.unvetted:
+        elif decided is None and f.resource.name in plan.unvetted:
             row.decision, row.action, row.result, row.problem = ("unknown", "leave in doubt", "left in doubt",
                                                                  UNVETTED)
+        elif decided is None and plan.unreadable:
+            row.decision, row.action, row.problem = "unknown", "leave in doubt", DECISIONS_UNREADABLE
+            row.result = "left in doubt: " + "; ".join(f"{n}: {e}" for n, e in sorted(plan.unreadable.items()))
         elif plan.previous is not None and f.xid not in plan.previous:
             row.decision = "commit" if decided is not None else "none (presumed abort)"
             row.action, row.result = "wait (second pass)", "acted on at the next pass if still in doubt"
@@ -307,14 +341,19 @@ def _act_one(row: Row, f: Found, commit: bool) -> None:
 
 def _end_records(plan: Plan, resources: list[Resource], report: RecoveryReport, rows: list[Row],
                  end: Callable[[str], None] | None, dry_run: bool) -> None:
-    """END every open decision whose branches are all resolved, and say so for branches already gone."""
-    if not plan.decisions:
+    """END every open decision whose branches are all resolved, and say so for branches already gone.
+    A Logging Last Resource decision is ended by deleting its row."""
+    llr_end = (lambda gtrid: plan.llr[gtrid][1].forget_decisions([gtrid])) if not dry_run else None
+    decisions = [(gtrid, branches, end) for gtrid, branches in (plan.decisions or {}).items()]
+    decisions += [(gtrid, branches, llr_end) for gtrid, (branches, _) in plan.llr.items()
+                  if gtrid not in (plan.decisions or {})]
+    if not decisions:
         return
     reachable = {r.name for r in resources if r.name not in report.unreachable}
     configured = {r.name for r in resources}
     unresolved = {(r.xid.split("#", 1)[0]) for r in rows if not r.resolved}
     in_doubt = {(f.gtrid, f.xid.branch) for f in plan.found}
-    for gtrid, branches in plan.decisions.items():
+    for gtrid, branches, end in decisions:
         if gtrid in plan.in_flight or gtrid in unresolved:
             continue
         complete = True
@@ -335,5 +374,9 @@ def _end_records(plan: Plan, resources: list[Resource], report: RecoveryReport, 
         if not complete:
             continue
         if not dry_run and end is not None:
-            end(gtrid)
+            try:
+                end(gtrid)
+            except QtpError as exc:  # housekeeping: the decision stays, the next pass ends it
+                log.warning("recovery: could not end decision %s yet: %s", gtrid, exc)
+                continue
         report.ended.append(gtrid)

@@ -35,7 +35,7 @@ from qtp.coordinator._log import (
     read_lost_mark,
 )
 from qtp.errors import LiveManagerError, LogLockedError, QtpError
-from qtp.recovery._core import RecoveryReport, age_of, run_pass, scan
+from qtp.recovery._core import RecoveryReport, age_of, read_last_resource_decisions, run_pass, scan
 from qtp.xa import Resource, resource_for
 
 QUARANTINE_FILE = "QUARANTINE"
@@ -139,7 +139,8 @@ class NodeStatus:
     log_records: int = 0
     last_checkpoint: str | None = None
     last_checkpoint_age_s: float | None = None
-    open_decisions: int = 0
+    open_decisions: int = 0  # in the file log
+    last_resource_decisions: int = 0  # Logging Last Resource rows not yet deleted
     torn_tail: str | None = None
     log_error: str | None = None
     quarantined: int = 0
@@ -180,9 +181,15 @@ def node_status(config: Config, warn_age_s: float = 300.0) -> NodeStatus:
     resources = open_resources(config)
     try:
         found = scan(resources, report)
+        llr, unreadable = read_last_resource_decisions(config.node_id, resources)
     finally:
         for resource in resources:
             resource.close()
+    status.last_resource_decisions = len(llr)
+    for name, error in sorted(unreadable.items()):
+        if name not in report.unreachable:
+            status.warnings.append(f"the decision table of resource {name!r} cannot be read: {error}")
+    decisions = {**{g: b for g, (b, _) in llr.items()}, **decisions}
     now = datetime.now(timezone.utc)
     for resource in resources:
         entry: dict = {"in_doubt": [], "unreachable": report.unreachable.get(resource.name),

@@ -109,6 +109,7 @@ def render_status(status: NodeStatus) -> str:
             lines.append(f"  log: torn tail (cut by a crash, ignored): {status.torn_tail}")
     else:
         lines.append("  log: missing (no segment file)")
+    lines.append(f"  last-resource decision rows (Logging Last Resource): {status.last_resource_decisions}")
     for name, entry in status.resources.items():
         if entry["unreachable"]:
             lines.append(f"  resource {name}: UNREACHABLE: {entry['unreachable']}")

@@ -49,6 +49,9 @@ class MySQLResource(SqlResource):
             return True
         return isinstance(exc, pymysql.err.OperationalError) and bool(exc.args) and exc.args[0] in _DISCONNECT_CODES
 
+    def _is_missing_table(self, exc: BaseException) -> bool:
+        return isinstance(exc, pymysql.err.MySQLError) and bool(exc.args) and exc.args[0] == 1146  # no such table
+
     def _is_conflict(self, exc: BaseException) -> bool:
         code = exc.args[0] if isinstance(exc, pymysql.err.MySQLError) and exc.args else None
         return code == _DEADLOCK or code in _XA_RB_CODES

@@ -36,6 +36,9 @@ class PostgresResource(SqlResource):
         code = exc.pgcode
         return code is None or code.startswith("08") or code in _SESSION_ENDED
 
+    def _is_missing_table(self, exc: BaseException) -> bool:
+        return getattr(exc, "pgcode", None) == psycopg2.errorcodes.UNDEFINED_TABLE
+
     def _is_conflict(self, exc: BaseException) -> bool:
         return isinstance(exc, psycopg2.Error) and (exc.pgcode or "").startswith("40")
 

@@ -109,6 +109,31 @@ class Resource(abc.ABC):
         prepared in the database, for recovery; an active one is rolled back by the database as its
         connection closes. Never raises."""
 
+    # ---------------------------------------------------------------- Logging Last Resource (optional)
+    #
+    # A resource that can hold the commit decision in its own local transaction (a SQL database) says so
+    # with ``last_resource_capable``; the manager may then commit it in one phase, with the decision row
+    # written into the branch, instead of preparing it and forcing the file log.
+
+    last_resource_capable: bool = False
+
+    def work_done(self, xid: Xid) -> int:
+        """How much branch ``xid`` did (statements run): the rule that picks the last resource."""
+        return 0
+
+    def write_decision(self, xid: Xid, gtrid: str, branches: list[str]) -> None:
+        """Insert the commit decision row of ``gtrid`` (naming the other ``branches``) inside branch ``xid``.
+        The row is committed, and the decision thereby made, by ``commit(xid, one_phase=True)``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve as the last resource")
+
+    def read_decisions(self, node_id: str) -> dict[str, list[str]]:
+        """The committed decision rows of ``node_id`` (gtrid -> other branches); raises when unreadable."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve as the last resource")
+
+    def forget_decisions(self, gtrids: list[str]) -> None:
+        """Delete decision rows whose transactions are complete (an END record, in effect)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve as the last resource")
+
     def cancel(self, xid: Xid) -> None:
         """Interrupt the statement branch ``xid`` is running, from another thread (a no-op where nothing can
         block). The branch's owner then sees its statement fail and rolls back."""

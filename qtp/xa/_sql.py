@@ -139,6 +139,19 @@ class BranchConnection(Connection):
         )
 
 
+# The Logging Last Resource decision rows: one per transaction committed with this database as its last
+# resource, inserted inside that branch (so it exists if and only if the branch committed), deleted in
+# batches once every other branch has committed. The same DDL runs on PostgreSQL and MariaDB.
+DECISION_TABLE = "qtp_llr_decision"
+DECISION_TABLE_DDL = (
+    f"CREATE TABLE IF NOT EXISTS {DECISION_TABLE} ("
+    "gtrid varchar(64) NOT NULL PRIMARY KEY, "
+    "node_id varchar(31) NOT NULL, "
+    "branches varchar(2000) NOT NULL, "
+    "decided_at timestamp NOT NULL DEFAULT CURRENT_TIMESTAMP)"
+)
+
+
 class _Translate:
     __slots__ = ("resource", "action", "xid")
 
@@ -191,6 +204,7 @@ class SqlResource(Resource):
         self._branches: dict[Xid, SqlBranch] = {}
         self._lock = threading.Lock()
         self._counters: Counter = Counter()
+        self._decision_table_ready = False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} {self.display_url}>"
@@ -253,6 +267,54 @@ class SqlResource(Resource):
         if branch is None:
             raise TransactionStateError(f"{action}: resource {self.name!r} has no active branch {xid}")
         return branch
+
+    # ------------------------------------------------------------------ Logging Last Resource
+
+    last_resource_capable = True
+
+    def work_done(self, xid: Xid) -> int:
+        branch = self._branches.get(xid)
+        return 0 if branch is None else branch.statements
+
+    def write_decision(self, xid: Xid, gtrid: str, branches: list[str]) -> None:
+        branch = self._branch(xid, "write the commit decision")
+        if not self._decision_table_ready:
+            self.create_decision_table()
+        with self.translate("write the commit decision", xid), branch.raw.cursor() as cur:
+            cur.execute(f"INSERT INTO {DECISION_TABLE} (gtrid, node_id, branches) VALUES (%s, %s, %s)",
+                        (gtrid, self.node_id, ",".join(branches)))
+        self._count("write_decision")
+
+    def create_decision_table(self) -> None:
+        """Create the decision table if it is missing (on a connection of its own: DDL cannot run in XA)."""
+        with self.translate("create the decision table"), self.engine.connect() as conn:
+            conn.exec_driver_sql(DECISION_TABLE_DDL)
+            conn.commit()
+        self._decision_table_ready = True
+
+    def read_decisions(self, node_id: str) -> dict[str, list[str]]:
+        with self.translate("read the commit decisions"), self.engine.connect() as conn:
+            try:
+                rows = conn.exec_driver_sql(f"SELECT gtrid, branches FROM {DECISION_TABLE} WHERE node_id = %s",
+                                            (node_id,)).all()
+            except sqlalchemy.exc.ProgrammingError as exc:
+                if not self._is_missing_table(exc.orig):
+                    raise
+                rows = []  # this database never served as the last resource
+            conn.rollback()
+        return {gtrid: [b for b in branches.split(",") if b] for gtrid, branches in rows}
+
+    def forget_decisions(self, gtrids: list[str]) -> None:
+        if not gtrids:
+            return
+        with self.translate("forget commit decisions"), self.engine.connect() as conn:
+            marks = ", ".join(["%s"] * len(gtrids))
+            conn.exec_driver_sql(f"DELETE FROM {DECISION_TABLE} WHERE gtrid IN ({marks})", tuple(gtrids))
+            conn.commit()
+        self._count("forget_decisions")
+
+    def _is_missing_table(self, exc: BaseException) -> bool:
+        raise NotImplementedError
 
     def may_have_written(self, xid: Xid) -> bool:
         return not self._idle(self._branch(xid, "may_have_written"))

@@ -1,6 +1,6 @@
 """The process that crashes: runs transfers under a TransactionManager until a failpoint or a SIGKILL ends it.
 
-Run as ``python -m qtp.recovery._crashchild --config qtp.toml [--transfers N] [--wait-go]`` (failpoints
+Run as ``python -m qtp.testing.crash_child --config qtp.toml [--transfers N] [--wait-go]`` (failpoints
 from ``QTP_FAILPOINTS``), or forked by the campaign driver (``child_main``). It speaks one line at a time on
 its output: ``READY <json>`` once the manager has started (the JSON is the start-up recovery's report),
 then ``T <tid>`` before each transfer, ``D <tid>`` once its commit returned, ``F <tid> <error>`` when it
@@ -18,7 +18,7 @@ import sys
 import uuid
 
 from qtp.coordinator import TransactionManager, failpoints
-from qtp.recovery._workload import ACCOUNTS, transfer
+from qtp.testing.crash_workload import ACCOUNTS, transfer
 
 
 def _emit(fd: int, line: str) -> None:
@@ -76,7 +76,7 @@ def child_main(config: str, out_fd: int, in_fd: int | None, transfers: int | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qtp.recovery._crashchild")
+    parser = argparse.ArgumentParser(prog="python -m qtp.testing.crash_child")
     parser.add_argument("--config", required=True)
     parser.add_argument("--transfers", type=int, default=None, help="stop after N transfers (default: never)")
     parser.add_argument("--wait-go", action="store_true", help="wait for 'go' on stdin before transferring")

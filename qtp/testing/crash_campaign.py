@@ -16,7 +16,7 @@ on two cores. Each kill is one cycle on one database pair (pairs take turns):
 A recovery pass that reports a problem (a branch still busy in a dying session, say) is run again, up to
 five times, as an operator would; the attempts are counted. Violations are any property that fails.
 
-``python -m qtp.recovery._campaign --pairs pg+pg,pg+maria --kills 200 --json out.json`` (the servers and
+``python -m qtp.testing.crash_campaign --pairs pg+pg,pg+maria --kills 200 --json out.json`` (the servers and
 databases are created under ``--workdir``; see benchmarks/crash_campaign.py for the long run).
 """
 
@@ -35,17 +35,27 @@ from pathlib import Path
 
 from qtp.config import load_config
 from qtp.coordinator import failpoints
-from qtp.recovery._crashchild import child_main
+from qtp.testing.crash_child import child_main
 from qtp.recovery._node import recover_node
-from qtp.recovery._workload import check_pair, drain, setup_database, write_config
+from qtp.testing.crash_workload import check_pair, drain, setup_database, write_config
 
 FAILPOINT_SCENARIOS = ("before_prepare", "after_prepare_0", "after_prepare_1", "after_decision_forced",
                        "after_commit_0", "after_commit_1", "before_end_record", "recovery_after_action")
+# With Logging Last Resource (``--llr``) one branch is prepared and the other (the last resource) commits the
+# decision in its own COMMIT: the points around that COMMIT replace the file log's.
+LLR_FAILPOINT_SCENARIOS = ("before_prepare", "after_prepare_0", "llr_before_last_commit", "llr_after_last_commit",
+                           "after_commit_0", "before_end_record", "recovery_after_action")
 EXPECTED = {  # the crashed transfer's outcome each failpoint forces (presumed abort before the decision)
     "before_prepare": "rolled back", "after_prepare_0": "rolled back", "after_prepare_1": "rolled back",
     "after_decision_forced": "committed", "after_commit_0": "committed", "after_commit_1": "committed",
     "before_end_record": "committed", "recovery_after_action": "committed",
+    "llr_before_last_commit": "rolled back", "llr_after_last_commit": "committed",
 }
+
+
+def decision_point(llr: bool) -> str:
+    """The first instant at which the transaction is decided (commit) and a branch is still prepared."""
+    return "llr_after_last_commit" if llr else "after_decision_forced"
 
 
 @dataclass
@@ -182,7 +192,8 @@ def fork_recovery(config: Path, spec: str | None) -> tuple[int, dict | None]:
 
 class Campaign:
     def __init__(self, pairs: list[Pair], seed: int = 1, scenarios: tuple[str, ...] = ("sigkill",),
-                 max_delay_s: float = 0.25, log=print):
+                 max_delay_s: float = 0.25, log=print, llr: bool = False):
+        self.llr = llr
         self.pairs = pairs
         self.rng = random.Random(seed)
         self.scenarios = scenarios
@@ -216,7 +227,7 @@ class Campaign:
         record = {"pair": pair.name, "scenario": scenario, "route": route, "violations": []}
         spec = None
         if scenario == "recovery_after_action":
-            spec = f"after_decision_forced=crash@{self.rng.randint(1, 3)}"
+            spec = f"{decision_point(self.llr)}=crash@{self.rng.randint(1, 3)}"
         elif scenario != "sigkill":
             spec = f"{scenario}=crash@{self.rng.randint(1, 3)}"
         child = fork_child(pair.config, spec, self.rng.randrange(1 << 30))
@@ -375,7 +386,7 @@ class Campaign:
 # ---------------------------------------------------------------------------------------------- set-up
 
 
-def make_pairs(names: list[str], pg_url, maria_url, workdir: Path, tag: str) -> list[Pair]:
+def make_pairs(names: list[str], pg_url, maria_url, workdir: Path, tag: str, llr: bool = False) -> list[Pair]:
     """Create the databases and qtp.toml of each named pair (``pg+pg``, ``pg+maria``, ``maria+maria``).
 
     ``pg_url(db)`` / ``maria_url(db)`` create a database and return its URL.
@@ -388,7 +399,8 @@ def make_pairs(names: list[str], pg_url, maria_url, workdir: Path, tag: str) -> 
         for url in urls:
             setup_database(url)
         node = f"{tag}-{slug}"[:30]
-        config = write_config(workdir / f"{slug}.toml", node, workdir / "logs", urls[0], urls[1], interval=0)
+        config = write_config(workdir / f"{slug}.toml", node, workdir / "logs", urls[0], urls[1], interval=0,
+                              llr=llr)
         pairs.append(Pair(name, urls[0], urls[1], node, config))
     return pairs
 
@@ -396,7 +408,7 @@ def make_pairs(names: list[str], pg_url, maria_url, workdir: Path, tag: str) -> 
 def main(argv: list[str] | None = None) -> int:
     from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres
 
-    parser = argparse.ArgumentParser(prog="python -m qtp.recovery._campaign")
+    parser = argparse.ArgumentParser(prog="python -m qtp.testing.crash_campaign")
     parser.add_argument("--kills", type=int, default=200)
     parser.add_argument("--pairs", default="pg+pg,pg+maria,maria+maria")
     parser.add_argument("--scenarios", default="sigkill", help="comma list: sigkill and/or failpoint names, or 'all'")
@@ -407,9 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new kills after this long")
     parser.add_argument("--json", type=Path, help="write the summary here")
     parser.add_argument("--tag", default="camp")
+    parser.add_argument("--llr", action="store_true", help="commit with Logging Last Resource (default: file log)")
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    scenarios = ("sigkill", *FAILPOINT_SCENARIOS) if args.scenarios == "all" else tuple(args.scenarios.split(","))
+    points = LLR_FAILPOINT_SCENARIOS if args.llr else FAILPOINT_SCENARIOS
+    scenarios = ("sigkill", *points) if args.scenarios == "all" else tuple(args.scenarios.split(","))
     names = args.pairs.split(",")
     pg = maria = None
     if any("pg" in n for n in names):
@@ -418,8 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     if any("maria" in n for n in names):
         maria = EmbeddedMariaDB(args.maria_root or args.workdir / "maria")
         maria.start()
-    pairs = make_pairs(names, pg and pg.create_database, maria and maria.create_database, args.workdir, args.tag)
-    campaign = Campaign(pairs, seed=args.seed, scenarios=scenarios)
+    pairs = make_pairs(names, pg and pg.create_database, maria and maria.create_database, args.workdir, args.tag,
+                       llr=args.llr)
+    campaign = Campaign(pairs, seed=args.seed, scenarios=scenarios, llr=args.llr)
     summary = campaign.run(args.kills, args.budget_s)
     text = json.dumps(summary, indent=2, default=str)
     if args.json:

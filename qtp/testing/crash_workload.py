@@ -53,9 +53,11 @@ def setup_database(url: str) -> None:
     eng.dispose()
 
 
-def write_config(path: Path, node_id: str, log_dir: Path, url_a: str, url_b: str, interval: float = 0) -> Path:
+def write_config(path: Path, node_id: str, log_dir: Path, url_a: str, url_b: str, interval: float = 0,
+                 llr: bool = False) -> Path:
+    """The node's qtp.toml; ``llr`` turns Logging Last Resource on (the file decision log otherwise)."""
     path.write_text(
-        f'[node]\nid = "{node_id}"\nlog_dir = "{log_dir}"\ntimeout = 30\n\n'
+        f'[node]\nid = "{node_id}"\nlog_dir = "{log_dir}"\ntimeout = 30\nllr = {str(llr).lower()}\n\n'
         f'[resources.a]\nurl = "{url_a}"\n\n[resources.b]\nurl = "{url_b}"\n\n'
         f"[recovery]\ninterval = {interval}\n"
     )
