@@ -6,9 +6,10 @@ the node is recovered (through the code of ``qtp recover`` or at the next start,
 money conserved, no transfer half-applied, no acknowledged transfer lost, the crashed transfer decided as
 its failpoint forces, nothing prepared, every row updatable at once. See qtp/testing/crash_campaign.py.
 
-    .venv/bin/python benchmarks/crash_campaign.py --kills 2000 [--budget-s 1500]
+    .venv/bin/python benchmarks/crash_campaign.py --kills 2000 [--budget-s 1500] [--llr]
 
-Writes benchmarks/crash_campaign.json and the chart benchmarks/crash_campaign_outcomes.png.
+Writes benchmarks/crash_campaign.json and the chart benchmarks/crash_campaign_outcomes.png (with ``--llr``,
+Logging Last Resource commits and its failpoints: crash_campaign_llr.json, crash_campaign_llr_outcomes.png).
 Servers: its own PostgreSQL and MariaDB under .qtp/campaign (started when needed).
 """
 
@@ -25,9 +26,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from qtp.recovery import _campaign  # noqa: E402
+from qtp.testing import crash_campaign as _campaign  # noqa: E402
 
-ORDER = ["sigkill", *_campaign.FAILPOINT_SCENARIOS]
+ORDER = ["sigkill", *dict.fromkeys(_campaign.FAILPOINT_SCENARIOS + _campaign.LLR_FAILPOINT_SCENARIOS)]
 OUTCOMES = [("committed", "#2e7d32"), ("rolled back", "#1565c0"), ("no transfer in progress", "#9e9e9e")]
 
 
@@ -51,7 +52,8 @@ def chart(summary: dict, path: Path) -> None:
                 va="bottom", fontsize=7)
     ax.set_ylabel("kills")
     ax.set_ylim(0, max(bottom) * 1.22)
-    ax.set_title(f"qtp crash campaign: {summary['kills']} kills over PG+PG, PG+MariaDB, MariaDB+MariaDB; "
+    mode = "Logging Last Resource" if summary.get("llr") else "file decision log"
+    ax.set_title(f"qtp crash campaign ({mode}): {summary['kills']} kills over PG+PG, PG+MariaDB, MariaDB+MariaDB; "
                  f"{summary['violations']} violations, "
                  f"{sum(len(v) for v in summary['prepared_left'].values())} prepared left", fontsize=9)
     ax.legend(fontsize=8, loc="upper right")
@@ -66,16 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting kills after this many seconds")
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--root", type=Path, default=Path(".qtp/campaign"), help="where the servers live")
-    parser.add_argument("--out", type=Path, default=HERE / "crash_campaign.json")
-    parser.add_argument("--png", type=Path, default=HERE / "crash_campaign_outcomes.png")
+    parser.add_argument("--llr", action="store_true", help="commit with Logging Last Resource")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--png", type=Path)
     args = parser.parse_args(argv)
+    suffix = "_llr" if args.llr else ""
+    args.out = args.out or HERE / f"crash_campaign{suffix}.json"
+    args.png = args.png or HERE / f"crash_campaign{suffix}_outcomes.png"
     work = Path(tempfile.mkdtemp(prefix="qtp-campaign-"))
     try:
         code = _campaign.main([
             "--kills", str(args.kills), "--scenarios", "all", "--workdir", str(work),
             "--pg-root", str(args.root / "pg"), "--maria-root", str(args.root / "mariadb"),
             "--seed", str(args.seed), "--tag", f"lc{os.getpid() % 100000}", "--json", str(args.out),
-            *(["--budget-s", str(args.budget_s)] if args.budget_s else []),
+            *(["--budget-s", str(args.budget_s)] if args.budget_s else []), *(["--llr"] if args.llr else []),
         ])
     finally:
         shutil.rmtree(work, ignore_errors=True)

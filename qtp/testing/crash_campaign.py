@@ -367,6 +367,7 @@ class Campaign:
                 self.kills.append({"pair": pair.name, "scenario": "final check", "violations": final.violations})
         violations = [r for r in self.kills if r["violations"]]
         return {
+            "llr": self.llr,
             "kills": sum(1 for r in self.kills if r["scenario"] != "final check"),
             "seconds": round(seconds, 1),
             "violations": len(violations),
