@@ -526,3 +526,23 @@ def test_close_lets_running_transactions_finish_and_refuses_new_ones(tmp_path):
 def test_timeout_must_be_a_positive_number(tmp_path, timeout):
     with pytest.raises(ConfigurationError, match="timeout"):
         qtp.TransactionManager("t", tmp_path, timeout=timeout)
+
+
+def test_a_thread_keeps_its_connection_from_one_transaction_to_the_next(tm, pg_db, maria_db):
+    """Each thread's branches reuse one pooled connection per database (no checkout, no check-in, no
+    needless ROLLBACK), while a connection object kept from an ended transaction still refuses any use."""
+    a, b = make_accounts(pg_db("a")), make_accounts(maria_db("b"))
+    tm.add_resource("a", a.url)
+    tm.add_resource("b", b.url)
+    kept = []
+    for amount in range(1, 6):
+        with qtp.transaction() as tx:
+            transfer(tx, amount)
+            kept.append(tx.connection("a"))
+    assert balances(a)[1] == BALANCE - 15 and balances(b)[1] == BALANCE + 15
+    assert sent(tm, "a")["checkout"] == 1 and sent(tm, "b")["checkout"] <= 2  # b may finish on a pool thread
+    for old in kept:
+        with pytest.raises(ConnectionClosedError):
+            old.execute(text("SELECT 1"))
+        with pytest.raises(ConnectionClosedError):
+            old.connection
