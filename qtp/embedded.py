@@ -290,7 +290,10 @@ class MariaDBInfo:
 class EmbeddedMariaDB:
     """One private ``mariadbd``: ``start()``, ``stop()``, ``kill()`` (SIGKILL), ``create_database()``."""
 
-    def __init__(self, root: Path | str = DEFAULT_ROOT / "mariadb"):
+    def __init__(self, root: Path | str = DEFAULT_ROOT / "mariadb", binlog: bool = False):
+        """``binlog``: run with the binary log on, as many production servers do (tests of qtp's handling
+        of MDEV-33168); qtp's own server runs without it (see ``start``)."""
+        self.binlog = binlog
         self.root = Path(root).absolute()
         self.datadir = self.root / "data"
         self.state_file = self.root / "server.json"
@@ -326,7 +329,8 @@ class EmbeddedMariaDB:
             self.server_bin, "--no-defaults", f"--datadir={self.datadir}", f"--port={port}",
             "--bind-address=127.0.0.1", f"--socket={sock}", f"--pid-file={self.root / 'mysqld.pid'}",
             "--user=root", "--skip-name-resolve", "--innodb-flush-log-at-trx-commit=1", "--sync-binlog=1",
-            "--skip-log-bin", "--server-id=1", "--max-connections=400", "--innodb-buffer-pool-size=128M",
+            "--log-bin=binlog" if self.binlog else "--skip-log-bin", "--server-id=1", "--max-connections=400",
+            "--innodb-buffer-pool-size=128M",
             "--innodb-lock-wait-timeout=10", f"--log-error={self.log}",
         ]
         with open(os.devnull, "wb") as devnull:

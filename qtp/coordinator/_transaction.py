@@ -316,7 +316,7 @@ class Transaction:
 
     def _two_phase_commit(self) -> None:
         branches = self._drop_idle(self.branches)
-        if len(branches) <= 1:
+        if not branches or (len(branches) == 1 and branches[0].resource.one_phase_safe):
             self._commit_one_phase(branches)
             return
         last = self.manager.last_resource_of(branches)
@@ -458,8 +458,14 @@ class Transaction:
         """Every other branch was read-only: the one prepared branch decides alone, nothing is logged.
 
         If its commit fails the transaction is still decided "commit" (nobody can disagree): the decision is
-        logged then, and the commit finished like any pending phase 2 (a lost reply is thus harmless).
+        logged then, and the commit finished like any pending phase 2 (a lost reply is thus harmless). A
+        resource whose commits are not safe without a logged decision (MariaDB with the binary log) gets the
+        decision logged first, like any two-phase commit.
         """
+        if not all(b.resource.one_phase_safe for b in prepared):
+            self._decide(prepared)
+            self._phase_two(prepared)
+            return
         try:
             for branch in prepared:
                 branch.resource.commit(branch.xid)

@@ -40,6 +40,17 @@ class MySQLResource(SqlResource):
         engine_kw.setdefault("connect_args", {}).setdefault("autocommit", True)
         super().__init__(name, target, node_id, **engine_kw)
         self._flavour: str | None = None
+        self._binlog = False
+
+    @property
+    def one_phase_safe(self) -> bool:  # type: ignore[override]
+        """False on MariaDB with the binary log on (see ``Resource.one_phase_safe``); known from the first
+        branch on (each branch's XA START first asks the server what it is)."""
+        return not (self._flavour == "mariadb" and self._binlog)
+
+    @property
+    def last_resource_capable(self) -> bool:  # type: ignore[override]
+        return self.one_phase_safe
 
     def _is_disconnect(self, exc: BaseException) -> bool:
         """pymysql's InterfaceError (the socket is closed) and the client/server codes of a lost connection
@@ -77,6 +88,7 @@ class MySQLResource(SqlResource):
                     f"{self.display_url} runs MariaDB {version}; qtp needs 10.5 or newer (older versions roll "
                     "back a prepared XA transaction when its client disconnects)"
                 )
+            self._binlog = bool(int(_execute(raw, "SELECT @@log_bin")[0][0]))
             self._flavour = "mariadb"
         else:
             self._flavour = "mysql"

@@ -117,6 +117,12 @@ class Resource(abc.ABC):
 
     last_resource_capable: bool = False
 
+    # Whether a one-phase commit of this resource is durable once acknowledged. False for MariaDB with the
+    # binary log on: an acknowledged XA COMMIT can come back prepared after a server crash (MDEV-31949,
+    # MDEV-33168), so qtp never commits such a branch without a logged decision, and never makes it the
+    # last resource.
+    one_phase_safe: bool = True
+
     def work_done(self, xid: Xid) -> int:
         """How much branch ``xid`` did (statements run): the rule that picks the last resource."""
         return 0
