@@ -213,6 +213,7 @@ class SqlResource(Resource):
         self._decision_table_ready = False
         self._parked: dict[int, Any] = {}  # thread id -> a pooled connection kept for its next branch
         self._closed = False
+        self.checkouts = 0  # pooled connections taken for branches (the others were kept from earlier ones)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} {self.display_url}>"
@@ -402,7 +403,7 @@ class SqlResource(Resource):
             pooled = self._parked.pop(threading.get_ident(), None)
         if pooled is not None and pooled.is_valid:
             return BranchConnection(self.engine, connection=pooled)
-        self._count("checkout")
+        self.checkouts += 1
         return BranchConnection(self.engine)
 
     def _park(self, branch: SqlBranch) -> None:
