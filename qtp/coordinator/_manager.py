@@ -267,9 +267,9 @@ class TransactionManager:
         """Keep committing ``branches`` of a decided transaction in the background. The transaction stays
         in flight (recovery leaves it alone) until the retries end; what they cannot finish, recovery does.
 
-        The decision is made durable first: a committer interrupted while waiting for the flush hands its
-        branches over with the record still in the log's buffer. If the log cannot be written, no branch is
-        committed: each is left prepared for the recovery that reads the log after a restart."""
+        The decision is made durable first (a committer cut after appending it has flushed it already; this
+        is the safety net). If the log cannot be written, no branch is committed: each is left prepared for
+        the recovery that reads the log after a restart."""
         with self._in_flight_lock:
             future = self._retry_pool.submit(self._retry, gtrid, branches)
             self._retry_futures.add(future)

@@ -27,7 +27,8 @@ one-phase COMMIT: connection lost,     the COMMIT may have landed: outcome unkno
 or anything else (an interrupt)        connection dropped, OutcomeUnknownError (an interrupt re-raised)
 decision: the log write fails          unknown until recovery reads the log: every branch left prepared,
                                        OutcomeUnknownError; the failed log refuses new transactions
-decision: interrupted after append     committed: the background retry flushes the log, then phase 2
+decision: interrupted after append     flush the record, then committed: phase 2 to the background retry;
+                                       if the log cannot write it, unknown (as when the write fails)
 decision: interrupted before append    roll back (no record can exist)
 phase 2 fails or is interrupted        committed with branches pending: background retry, then recovery
 rollback interrupted                   connections dropped: active branches die with them, prepared ones
@@ -313,8 +314,8 @@ class Transaction:
         if self.state is State.PREPARING:
             self._roll_back_all(Event.ROLLBACK)
         elif self.state is State.DECIDING:
-            if self.manager.log.holds(self.xid):  # the record will reach the disk: the decision is made
-                self._hand_to_retry(self.branches, Event.PENDING, exc)
+            if self.manager.log.holds(self.xid):  # the record may reach the disk: never roll back now
+                self._settle_appended(exc)
             else:
                 self._roll_back_all(Event.ROLLBACK)
         elif self.state is State.COMMITTING:
@@ -323,6 +324,22 @@ class Transaction:
             for branch in self.branches:
                 branch.resource.detach(branch.xid)
             self._fire(Event.ROLLED_BACK)
+
+    def _settle_appended(self, cause: BaseException) -> None:
+        """The COMMIT record is appended but was not known durable when the path was cut. Flush it before
+        saying "committed": left to the retry's flush, a crash in between would lose a decision already
+        reported. A log that cannot write it leaves the outcome to recovery after a restart."""
+        decisions = self.manager.log
+        try:
+            decisions.flush()
+        except BaseException as exc:  # cut again: what reached the disk is the log's to say
+            cause = exc
+        if not decisions.failed and self.xid in decisions.open:
+            self._hand_to_retry(self.branches, Event.PENDING, cause)
+            return
+        for branch in self.branches:
+            branch.resource.detach(branch.xid)
+        self._give_up_knowing(cause, "its commit decision was appended to the log but could not be made durable")
 
     def _hand_to_retry(self, branches: list[Branch], event: Event, cause: BaseException) -> None:
         self.pending = [b.name for b in branches]
@@ -459,7 +476,8 @@ class Transaction:
 
         branches = self.branches
         for branch, result in zip(branches, self.manager.fan_out(rollback, branches)):
-            if isinstance(result, BaseException):
+            if isinstance(result, BaseException):  # drop the connection: an active branch dies with it
+                branch.resource.detach(branch.xid)
                 log.warning("rollback of %s failed (%s); recovery will roll it back if it was prepared", branch.xid,
                             result)
         self._fire(Event.ROLLED_BACK)
