@@ -55,10 +55,6 @@ from qtp.xa._memory import MemoryStore
 NAMES = ("r0", "r1", "r2")
 NODE = "model"
 
-# Failpoints on the commit path (``i`` up to 1: the second branch is the last one asked twice).
-POINTS = ("before_prepare", "after_prepare_0", "after_prepare_1", "decision_appended", "log_write",
-          "after_decision_forced", "after_commit_0", "after_commit_1", "before_end_record",
-          "after_one_phase_commit")
 STEPS = ("begin", "prepare", "commit", "rollback")
 
 work = st.dictionaries(
@@ -67,11 +63,20 @@ work = st.dictionaries(
     max_size=3,
 )
 faults = st.one_of(st.none(), st.tuples(st.sampled_from(NAMES), st.sampled_from(["begin", "prepare", "commit"])))
-# Where an interrupt or a crash strikes: ("failpoint", name) or (resource, step).
-strikes = st.one_of(st.tuples(st.just("failpoint"), st.sampled_from(POINTS)),
-                    st.tuples(st.sampled_from(NAMES), st.sampled_from(STEPS)))
+resource_calls = st.tuples(st.sampled_from(NAMES), st.sampled_from(STEPS))  # where an interrupt or a kill strikes
 # A branch whose rollback fails, if one is asked: the database does not answer, or Ctrl-C comes then.
 failed_rollbacks = st.one_of(st.none(), st.tuples(st.sampled_from(NAMES), st.sampled_from(["error", "interrupt"])))
+
+
+
+def commit_path(plan: dict[str, dict[int, int]]) -> list[str]:
+    """The failpoints that the commit of ``plan`` reaches, in order, when nothing fails on the way."""
+    writers = sum(1 for writes in plan.values() if writes)
+    if writers <= 1:
+        return ["after_one_phase_commit"] if writers else []
+    return ["before_prepare", *(f"after_prepare_{i}" for i in range(writers)), "decision_appended", "log_write",
+            "after_decision_forced", *(f"after_commit_{i}" for i in range(writers)), "before_end_record"]
+
 
 ENDED = (RollbackError, ResourceError, OutcomeUnknownError, KeyboardInterrupt)  # what a transaction may raise
 
@@ -199,8 +204,9 @@ class CoordinatorModel(RuleBasedStateMachine):
                         conn.put((number, key), value)
         except ENDED as exc:
             record.notes.append(repr(exc))
-        except Crash:
+        except Crash as exc:
             assert self.killed
+            record.notes.append(repr(exc))
         finally:
             for res in self.res.values():
                 res._faults.clear()
@@ -226,7 +232,7 @@ class CoordinatorModel(RuleBasedStateMachine):
         raise Crash("killed")
 
     @contextlib.contextmanager
-    def _killed_at(self, point: str):
+    def _killed_at(self, point: str | None):
         """Make failpoint ``point`` a kill -9 (the library's own ``crash`` action would kill the test run)."""
         real = failpoints.failpoint
 
@@ -284,6 +290,7 @@ class CoordinatorModel(RuleBasedStateMachine):
     def transaction(self, plan, fault):
         """One transaction with at most one ordinary fault (a no vote, a lost connection at commit); its
         outcome is known exactly."""
+        self.tm.start_recovery()  # the start-up pass runs first, so the fault is this transaction's
         if fault is not None and fault[0] in plan:
             exc = ResourceUnavailableError("injected") if fault[1] == "commit" else ResourceError("injected")
             self.res[fault[0]].inject(fault[1], exc)
@@ -300,33 +307,46 @@ class CoordinatorModel(RuleBasedStateMachine):
                                   else KeyboardInterrupt("Ctrl-C during rollback"))
 
     @precondition(usable)
-    @rule(plan=work, where=strikes, failed_rollback=failed_rollbacks)
-    def interrupted_transaction(self, plan, where, failed_rollback):
-        """A transaction cut by a KeyboardInterrupt (Ctrl-C, a signal handler's exception) at a failpoint or
-        inside a resource call; optionally a branch whose rollback then fails."""
+    @rule(plan=work, nth=st.integers(0, 15), failed_rollback=failed_rollbacks)
+    def interrupted_at_failpoint(self, plan, nth, failed_rollback):
+        """A transaction cut by a KeyboardInterrupt (Ctrl-C, a signal handler's exception) at the ``nth``
+        failpoint its commit path reaches (modulo their number); optionally a branch whose rollback then
+        fails."""
         self._arm(plan, failed_rollback)
-        if where[0] == "failpoint":
-            failpoints.configure(f"{where[1]}=interrupt")
-        elif where[0] in plan:
-            self.res[where[0]].inject(where[1], KeyboardInterrupt(f"Ctrl-C at {where[1]}"))
+        path = commit_path(plan)
+        failpoints.configure(f"{path[nth % len(path)]}=interrupt" if path else None)
         try:
             self._run(plan)
         finally:
             failpoints.configure(None)
 
     @precondition(usable)
-    @rule(plan=work, where=strikes, failed_rollback=failed_rollbacks)
-    def killed_transaction(self, plan, where, failed_rollback):
-        """A transaction whose process is killed (kill -9) at a failpoint or inside a resource call; if the
-        point is not reached the transaction ends normally."""
+    @rule(plan=work, call=resource_calls, failed_rollback=failed_rollbacks)
+    def interrupted_in_resource_call(self, plan, call, failed_rollback):
+        """A KeyboardInterrupt raised inside a resource call (begin, prepare, commit, rollback), before the
+        call does anything; optionally a branch whose rollback then fails."""
         self._arm(plan, failed_rollback)
-        killer = contextlib.nullcontext()
-        if where[0] == "failpoint":
-            killer = self._killed_at(where[1])
-        elif where[0] in plan:
-            self.res[where[0]].inject(where[1], self._kill)
-        with killer:
+        name, step = call
+        self.res[name].inject(step, KeyboardInterrupt(f"Ctrl-C at {step}"))
+        self._run(plan)
+
+    @precondition(usable)
+    @rule(plan=work, nth=st.integers(0, 15), failed_rollback=failed_rollbacks)
+    def killed_at_failpoint(self, plan, nth, failed_rollback):
+        """kill -9 of the manager at the ``nth`` failpoint the commit path reaches (modulo their number)."""
+        self._arm(plan, failed_rollback)
+        path = commit_path(plan)
+        with self._killed_at(path[nth % len(path)] if path else None):
             self._run(plan)
+
+    @precondition(usable)
+    @rule(plan=work, call=resource_calls, failed_rollback=failed_rollbacks)
+    def killed_in_resource_call(self, plan, call, failed_rollback):
+        """kill -9 of the manager inside a resource call, before the call does anything (if it is made)."""
+        self._arm(plan, failed_rollback)
+        name, step = call
+        self.res[name].inject(step, self._kill)
+        self._run(plan)
 
     @precondition(lambda self: self.tm is not None)
     @rule()
@@ -369,6 +389,7 @@ class CoordinatorModel(RuleBasedStateMachine):
             self._assert_resolved()
 
     def _assert_resolved(self) -> None:
+        self.reported_outcomes_hold()  # first: it names the transaction whose promise a leftover breaks
         assert self.tm.in_flight() == set()
         for name, store in self.stores.items():
             assert store.prepared == {}, f"after recovery {name} still holds prepared branches {store.prepared}"
@@ -428,6 +449,6 @@ class CoordinatorModel(RuleBasedStateMachine):
 
 
 CoordinatorModel.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=12, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=100, stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestCoordinatorModel = CoordinatorModel.TestCase
