@@ -146,16 +146,16 @@ def test_offline_recover_leaves_unvetted_resources_alone(tmp_path, pg_db):
 
 
 def test_b_an_interrupt_after_the_decision_is_appended_still_commits(tm, pg_db):
-    """Interrupted while waiting for its COMMIT record to be flushed, the transaction is committed (the next
-    flush writes the record whoever runs it): never rolled back; the background retry flushes, then commits
-    every branch."""
+    """Interrupted while waiting for its COMMIT record to be flushed, the transaction is never rolled back (the
+    next flush writes the record whoever runs it): the record is flushed before the interrupt goes on up,
+    and the background retry commits every branch."""
     a, b = two_branches(tm, pg_db)
     failpoints.configure("decision_appended=interrupt")
     with pytest.raises(KeyboardInterrupt):
         with qtp.transaction() as tx:
             transfer(tx, 10)
     failpoints.configure(None)
-    assert tx.outcome is Outcome.UNKNOWN  # until the background flush has made the record durable
+    assert tx.outcome is Outcome.COMMITTED_PENDING  # the record was flushed before saying so
     tm.wait_retries()
     assert balances(a)[1] == BALANCE - 10 and balances(b)[1] == BALANCE + 10
     assert prepared_left(a) == prepared_left(b) == 0

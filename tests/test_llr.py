@@ -243,3 +243,27 @@ def test_configuration_names_the_last_resource(tmp_path, pg_db, maria_db):
     config.write_text(f'[node]\nid = "cfg"\n\n[resources.a]\nurl = "{a}"\nlast_resource = "yes"\n')
     with pytest.raises(ConfigurationError, match="last_resource = true.false"):
         qtp.TransactionManager.from_config(config)
+
+
+def test_an_interrupt_during_the_last_commit_is_unknown_and_recovery_finds_the_row(tm, pg_db):
+    """Ctrl-C while the last COMMIT is on its way (here: it landed): never rolled back, never guessed."""
+    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
+    tm.add_resource("a", a.url)
+    last = tm.add_resource("b", b.url, last_resource=True)
+    real = last._xa_commit_one_phase
+
+    def commit_then_interrupt(raw, xid):
+        real(raw, xid)
+        raise KeyboardInterrupt("injected after the COMMIT landed")
+
+    last._xa_commit_one_phase = commit_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        with tm.transaction() as tx:
+            transfer(tx, 10)
+    assert tx.outcome is Outcome.UNKNOWN and prepared_left(a) == 1
+    again, report = restart(tm, a, b)
+    try:
+        assert report.ok and report.committed == 1
+        assert balances(a)[1] == BALANCE - 10 and balances(b)[1] == BALANCE + 10
+    finally:
+        again.close()

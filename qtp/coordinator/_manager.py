@@ -340,10 +340,10 @@ class TransactionManager:
         """Keep committing ``branches`` of a decided transaction in the background. The transaction stays
         in flight (recovery leaves it alone) until the retries end; what they cannot finish, recovery does.
 
-        With ``durable_first`` (a decision in the file log) the decision is made durable first: a committer
-        interrupted while waiting for the flush hands its branches over with the record still in the log's
-        buffer. If the log cannot be written, no branch is committed: each is left prepared for the recovery
-        that reads the log after a restart. ``end`` forgets the decision once every branch committed."""
+        With ``durable_first`` (a decision in the file log) the decision is made durable first (a committer
+        cut after appending it has flushed it already; this is the safety net). If the log cannot be written,
+        no branch is committed: each is left prepared for the recovery that reads the log after a restart.
+        ``end`` forgets the decision once every branch committed."""
         with self._in_flight_lock:
             future = self._retry_pool.submit(self._retry, gtrid, branches, end or (lambda: self.log.log_end(gtrid)),
                                              durable_first)

@@ -41,9 +41,8 @@ one-phase COMMIT: connection lost,     the COMMIT may have landed: outcome unkno
 or anything else (an interrupt)        connection dropped, OutcomeUnknownError (an interrupt re-raised)
 decision: the log write fails          unknown until recovery reads the log: every branch left prepared,
                                        OutcomeUnknownError; the failed log refuses new transactions
-decision: interrupted after append     unknown until the record is durable (the interrupt is re-raised):
-                                       the background retry flushes the log, then commits every branch;
-                                       if the log fails first, the branches are left to recovery
+decision: interrupted after append     flush the record, then committed: phase 2 to the background retry;
+                                       if the log cannot write it, unknown (as when the write fails)
 decision: interrupted before append    roll back (no record can exist)
 phase 2 fails or is interrupted        committed with branches pending: background retry, then recovery
 rollback interrupted                   connections dropped: active branches die with them, prepared ones
@@ -162,6 +161,7 @@ class Transaction:
         self._on_commit: list[Callable[[], None]] = []
         self._handed_over = False  # the background phase-2 retry finishes it (and ends it in the manager)
         self._last: Branch | None = None  # the last resource, once its COMMIT made the decision (LLR)
+        self._last_commit_sent: Branch | None = None  # the last resource, once its COMMIT may be on its way
 
     def __repr__(self) -> str:
         return f"<Transaction {self.gtrid.decode()} {self.state.value}>"
@@ -335,8 +335,11 @@ class Transaction:
         if self.state is State.PREPARING:
             self._roll_back_all(Event.ROLLBACK)
         elif self.state is State.DECIDING:
-            if self.manager.log.holds(self.xid):  # the record will reach the disk unless the log fails first
-                self._hand_to_retry(self.branches, Event.UNKNOWN, exc)
+            if self._last_commit_sent is not None:  # LLR: the last COMMIT may have landed
+                others = [b for b in self.branches if b is not self._last_commit_sent]
+                self._leave_to_recovery(others, self._last_commit_sent, exc, "its COMMIT was cut")
+            elif self.manager.log.holds(self.xid):  # the record may reach the disk: never roll back now
+                self._settle_appended(exc)
             else:
                 self._roll_back_all(Event.ROLLBACK)
         elif self.state is State.COMMITTING:
@@ -345,6 +348,22 @@ class Transaction:
             for branch in self.branches:
                 branch.resource.detach(branch.xid)
             self._fire(Event.ROLLED_BACK)
+
+    def _settle_appended(self, cause: BaseException) -> None:
+        """The COMMIT record is appended but was not known durable when the path was cut. Flush it before
+        saying "committed": left to the retry's flush, a crash in between would lose a decision already
+        reported. A log that cannot write it leaves the outcome to recovery after a restart."""
+        decisions = self.manager.log
+        try:
+            decisions.flush()
+        except BaseException as exc:  # cut again: what reached the disk is the log's to say
+            cause = exc
+        if not decisions.failed and self.xid in decisions.open:
+            self._hand_to_retry(self.branches, Event.PENDING, cause)
+            return
+        for branch in self.branches:
+            branch.resource.detach(branch.xid)
+        self._give_up_knowing(cause, "its commit decision was appended to the log but could not be made durable")
 
     def _hand_to_retry(self, branches: list[Branch], event: Event, cause: BaseException) -> None:
         self.pending = [b.name for b in branches]
@@ -428,6 +447,7 @@ class Transaction:
         prepared = [b for b, result in zip(others, results) if result is Vote.YES]
         self._fire(Event.DECIDE)
         failpoint("llr_before_last_commit")
+        self._last_commit_sent = last  # from here an interrupt cannot know whether the COMMIT landed
         try:
             last.resource.commit(last.xid, one_phase=True)
         except ResourceUnavailableError as exc:
@@ -539,7 +559,8 @@ class Transaction:
 
         branches = self.branches
         for branch, result in zip(branches, self.manager.fan_out(rollback, branches)):
-            if isinstance(result, BaseException):
+            if isinstance(result, BaseException):  # drop the connection: an active branch dies with it
+                branch.resource.detach(branch.xid)
                 log.warning("rollback of %s failed (%s); recovery will roll it back if it was prepared", branch.xid,
                             result)
         self._fire(Event.ROLLED_BACK)
