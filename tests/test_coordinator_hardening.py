@@ -177,6 +177,21 @@ def test_b_an_interrupt_before_the_append_rolls_back(tm, pg_db):
     assert prepared_left(a) == prepared_left(b) == 0
 
 
+def test_an_interrupt_in_phase_two_is_not_swallowed(tm, pg_db):
+    """Ctrl-C while the branches commit: the transaction is committed (pending, finished in the background)
+    and the interrupt still reaches the application."""
+    a, b = two_branches(tm, pg_db)
+    failpoints.configure("after_commit_1=interrupt")
+    with pytest.raises(KeyboardInterrupt):
+        with qtp.transaction() as tx:
+            transfer(tx, 10)
+    failpoints.configure(None)
+    assert tx.outcome is Outcome.COMMITTED_PENDING
+    tm.wait_retries()
+    assert balances(a)[1] == BALANCE - 10 and balances(b)[1] == BALANCE + 10
+    assert prepared_left(a) == prepared_left(b) == 0
+
+
 # ---------------------------------------------------------------------- c. and e. a failed log write
 
 

@@ -45,8 +45,9 @@ decision: interrupted after append     flush the record, then committed: phase 2
                                        if the log cannot write it, unknown (as when the write fails)
 decision: interrupted before append    roll back (no record can exist)
 phase 2 fails or is interrupted        committed with branches pending: background retry, then recovery
+                                       (an interrupt is re-raised once the branches are handed over)
 rollback interrupted                   connections dropped: active branches die with them, prepared ones
-                                       are rolled back by recovery (presumed abort)
+                                       are rolled back by recovery (presumed abort); the interrupt re-raised
 =====================================  ==================================================================
 """
 
@@ -531,6 +532,7 @@ class Transaction:
                              "the background, and recovery will finish it if retries cannot", self.xid,
                              branch.name, exc)
             self._hand_to_retry([b for b, _ in failed], Event.PENDING, failed[0][1])
+            _reraise_interrupt(r for _, r in failed)
             return
         failpoint("before_end_record")
         self._end()
@@ -558,12 +560,14 @@ class Transaction:
             branch.resource.rollback(branch.xid)
 
         branches = self.branches
-        for branch, result in zip(branches, self.manager.fan_out(rollback, branches)):
+        results = self.manager.fan_out(rollback, branches)
+        for branch, result in zip(branches, results):
             if isinstance(result, BaseException):  # drop the connection: an active branch dies with it
                 branch.resource.detach(branch.xid)
                 log.warning("rollback of %s failed (%s); recovery will roll it back if it was prepared", branch.xid,
                             result)
         self._fire(Event.ROLLED_BACK)
+        _reraise_interrupt(results)
 
     def _abort(self, cause: BaseException, why: str) -> None:
         self._roll_back_all(Event.ROLLBACK)
@@ -575,6 +579,14 @@ class Transaction:
         for session, _ in self._sessions.values():
             session.close()
         self._sessions.clear()
+
+
+def _reraise_interrupt(results: Any) -> None:
+    """An interrupt (KeyboardInterrupt, SystemExit) caught while branches were handled together goes on up
+    once the transaction has its outcome: it is never swallowed."""
+    interrupt = next((r for r in results if isinstance(r, BaseException) and not isinstance(r, Exception)), None)
+    if interrupt is not None:
+        raise interrupt
 
 
 def run_each(fn: Callable[[int, Any], Any], items: list[Any]) -> list[Any]:
