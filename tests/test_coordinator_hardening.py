@@ -145,51 +145,37 @@ def test_offline_recover_leaves_unvetted_resources_alone(tmp_path, pg_db):
 # ---------------------------------------------------------------------- b. a decision made is made
 
 
-def test_b_an_interrupt_after_the_decision_is_appended_still_commits(tm, pg_db):
-    """Interrupted while waiting for its COMMIT record to be flushed, the transaction is never rolled back (the
-    next flush writes the record whoever runs it): the record is flushed before the interrupt goes on up,
-    and the background retry commits every branch."""
+def interrupted_transfer(tm, pg_db, point: str):
+    """A transfer between two PostgreSQL databases, cut by Ctrl-C at failpoint ``point``."""
     a, b = two_branches(tm, pg_db)
-    failpoints.configure("decision_appended=interrupt")
+    failpoints.configure(f"{point}=interrupt")
     with pytest.raises(KeyboardInterrupt):
         with qtp.transaction() as tx:
             transfer(tx, 10)
     failpoints.configure(None)
-    assert tx.outcome is Outcome.COMMITTED_PENDING  # the record was flushed before saying so
+    return tx, a, b
+
+
+@pytest.mark.parametrize("point, outcome", [
+    # b: waiting for its COMMIT record to be flushed, the transaction is never rolled back (the next flush
+    # writes the record whoever runs it): the record is flushed before the interrupt goes on up, and the
+    # background retry commits every branch
+    ("decision_appended", Outcome.COMMITTED_PENDING),
+    # one step earlier no record can exist: every branch is rolled back
+    ("after_prepare_1", Outcome.ROLLED_BACK),
+    # in phase 2: committed (pending, finished in the background), and the interrupt is not swallowed
+    ("after_commit_1", Outcome.COMMITTED_PENDING),
+])
+def test_b_an_interrupt_is_settled_by_where_it_strikes(tm, pg_db, point, outcome):
+    tx, a, b = interrupted_transfer(tm, pg_db, point)
+    assert tx.outcome is outcome
     tm.wait_retries()
-    assert balances(a)[1] == BALANCE - 10 and balances(b)[1] == BALANCE + 10
+    moved = 10 if outcome is Outcome.COMMITTED_PENDING else 0
+    assert balances(a)[1] == BALANCE - moved and balances(b)[1] == BALANCE + moved
     assert prepared_left(a) == prepared_left(b) == 0
     tm.log.flush()
-    assert read_log(tm.log_dir).open == {}  # decided, then ended
+    assert read_log(tm.log_dir).open == {}  # decided, then ended (or never decided)
     assert tm.in_flight() == set()
-
-
-def test_b_an_interrupt_before_the_append_rolls_back(tm, pg_db):
-    """The same interrupt one step earlier (no record can exist): every branch is rolled back."""
-    a, b = two_branches(tm, pg_db)
-    failpoints.configure("after_prepare_1=interrupt")
-    with pytest.raises(KeyboardInterrupt):
-        with qtp.transaction() as tx:
-            transfer(tx, 10)
-    failpoints.configure(None)
-    assert tx.outcome is Outcome.ROLLED_BACK
-    assert balances(a)[1] == BALANCE and balances(b)[1] == BALANCE
-    assert prepared_left(a) == prepared_left(b) == 0
-
-
-def test_an_interrupt_in_phase_two_is_not_swallowed(tm, pg_db):
-    """Ctrl-C while the branches commit: the transaction is committed (pending, finished in the background)
-    and the interrupt still reaches the application."""
-    a, b = two_branches(tm, pg_db)
-    failpoints.configure("after_commit_1=interrupt")
-    with pytest.raises(KeyboardInterrupt):
-        with qtp.transaction() as tx:
-            transfer(tx, 10)
-    failpoints.configure(None)
-    assert tx.outcome is Outcome.COMMITTED_PENDING
-    tm.wait_retries()
-    assert balances(a)[1] == BALANCE - 10 and balances(b)[1] == BALANCE + 10
-    assert prepared_left(a) == prepared_left(b) == 0
 
 
 # ---------------------------------------------------------------------- c. and e. a failed log write
