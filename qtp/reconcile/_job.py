@@ -11,17 +11,20 @@ from __future__ import annotations
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+import sqlalchemy as sa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from qtp.errors import ConfigurationError, QtpError
 from qtp.reconcile import _classify as C
+from qtp.reconcile import _digest as D
 from qtp.reconcile._sources import (
     ProbedTable,
     TableSpec,
@@ -183,17 +186,39 @@ def key_type(client: T.DataType, server: T.DataType, client_name: str, server_na
 # ------------------------------------------------------------------------------------------------ the job
 
 
-def _read(spark: SparkSession, probed: ProbedTable, partitions: int, fetchsize: int) -> DataFrame:
+COPIES = "qtp_copies"  # the row count of the server's pushed-down GROUP BY
+
+
+def _grouped_table(probed: ProbedTable) -> str | None:
+    """The server's ``GROUP BY key`` (row count and each column's MIN) as a subquery for Spark's ``dbtable``.
+
+    None when a column has no MIN in its database (PostgreSQL ``boolean``): Spark then groups the rows.
+    """
+    spec, backend = probed.spec, probed.backend
+    if any(isinstance(probed.types.get(col), sa.Boolean) for col in spec.columns):
+        return None
+    key = quote_table(spec.key, backend)
+    mins = "".join(f", MIN({quote_table(col, backend)}) AS {quote_table(col, backend)}"
+                   for col in dict.fromkeys(spec.columns) if col != spec.key)
+    return (f"(SELECT {key}, COUNT(*) AS {COPIES}{mins} FROM {quote_table(spec.table, backend)} "
+            f"GROUP BY {key}) qtp_grouped")
+
+
+def _read(spark: SparkSession, probed: ProbedTable, partitions: int, fetchsize: int,
+          grouped: str | None = None, where: list[str] | None = None) -> DataFrame:
+    """One side over JDBC: the table (or ``grouped``, the server's GROUP BY), split by key range or hash,
+    or only the rows matching one of the ``where`` clauses (one partition each)."""
     spec = probed.spec
-    wanted = [spec.key, *spec.columns, *([spec.status_column] if spec.status_column else [])]
-    if probed.key_is_integer or partitions < 2:
-        frame = spark.read.format("jdbc").options(**read_options(probed, partitions, fetchsize)).load()
+    wanted = [spec.key, *spec.columns, *([spec.status_column] if spec.status_column else []),
+              *([COPIES] if grouped else [])]
+    url = parse_url(spec.url, "")
+    table = grouped or quote_table(spec.table, probed.backend)
+    if where is None and (probed.key_is_integer or partitions < 2):
+        options = {**read_options(probed, partitions, fetchsize), "dbtable": table}
+        frame = spark.read.format("jdbc").options(**options).load()
     else:
-        url = parse_url(spec.url, "")
-        frame = spark.read.jdbc(
-            jdbc_url(url), quote_table(spec.table, probed.backend),
-            predicates=hash_predicates(probed, partitions), properties=jdbc_properties(url, fetchsize),
-        )
+        frame = spark.read.jdbc(jdbc_url(url), table, predicates=where or hash_predicates(probed, partitions),
+                                properties=jdbc_properties(url, fetchsize))
     return frame.select(*dict.fromkeys(wanted))
 
 
@@ -231,6 +256,9 @@ def _stderr_log(message: str) -> None:
     print(f"[qtp reconcile {datetime.now().strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+MODES = ("auto", "digest", "full")
+
+
 def reconcile(
     client: TableSpec,
     server: TableSpec,
@@ -243,6 +271,8 @@ def reconcile(
     sample_size: int = 10,
     anomalies_parquet: str | None = None,
     anomalies_table: tuple[str, str] | None = None,
+    mode: str = "auto",
+    pushdown: bool = True,
     log: Log | None = _stderr_log,
 ) -> ReconcileResult:
     """Reconcile ``client`` against ``server`` and return the classes, samples and run metadata.
@@ -252,7 +282,13 @@ def reconcile(
     with ``master`` (default ``local[*]``) and ``spark_conf``. ``partitions`` is the number of JDBC reads
     per side (default: twice Spark's parallelism). ``anomalies_parquet`` (a path) and ``anomalies_table``
     (SQLAlchemy URL, table) receive the per-key anomalies, overwriting what is there.
+
+    ``mode``: ``full`` reads every row; ``digest`` has both databases digest ranges of keys and reads only
+    the ranges that differ (see ``_digest``); ``auto`` uses digest mode when the tables allow it. The counts
+    are the same in every mode. ``pushdown`` has the server's database group its rows by key.
     """
+    if mode not in MODES:
+        raise ConfigurationError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
     say = log or (lambda message: None)
     started = time.time()
     pairs, server_pairs = _column_pairs(client, server)
@@ -264,42 +300,83 @@ def reconcile(
     if not probed_c.key_is_unique:
         say(f"warning: client key {client.key!r} has no primary key or unique index; a key the client holds "
             "twice is counted as two messages")
-    if spark is None:
-        spark = spark_session(master, spark_conf, {probed_c.backend, probed_s.backend})
+    plan = D.plan(probed_c, probed_s, [(c, s) for (_, c), (_, s) in zip(pairs, server_pairs)])
+    if mode == "digest" and plan.reason:
+        raise ConfigurationError(f"digest mode cannot run: {plan.reason}; use --mode full or auto")
+    used = "full" if mode == "full" or plan.reason else "digest"
+    if mode == "auto" and plan.reason:
+        say(f"auto mode: full, because {plan.reason}")
+
+    timing: dict[str, float] = {}
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(_timed, timing, "jvm_start_s", spark_session, master, spark_conf,
+                             {probed_c.backend, probed_s.backend}) if spark is None else None
+        found = None
+        if used == "digest":
+            say(f"digest mode: {'key ranges of ' + str(plan.width) if plan.width else 'hashed key ranges'}")
+            found = _timed(timing, "digests_s", D.digests, probed_c, probed_s, plan,
+                           [(c, s) for (_, c), (_, s) in zip(pairs, server_pairs)])
+            say(f"{len(found.differing)} of {found.ranges} ranges differ")
+        spark = spark if future is None else future.result()
     parts = partitions or max(2, 2 * spark.sparkContext.defaultParallelism)
+    grouped = _grouped_table(probed_s) if pushdown else None
     for side, probed in (("client", probed_c), ("server", probed_s)):
         say(f"{side}: {probed.display_url} table {probed.spec.table}, {_split(probed)}, {parts} partitions, "
-            f"fetchsize {fetchsize}")
+            f"fetchsize {fetchsize}{', grouped by key in the database' if side == 'server' and grouped else ''}")
 
-    with spark_errors("reading the tables over JDBC"):
-        client_df = _read(spark, probed_c, parts, fetchsize)
-        server_df = _read(spark, probed_s, parts, fetchsize)
-    client_df, server_df = _aligned(client_df, server_df, client, server, pairs, server_pairs)
-    classified = C.classify(
-        C.client_side(client_df, client.key, pairs, client.status_column),
-        C.server_side(server_df, server.key, server_pairs),
-        names,
-    )
-    if anomalies_parquet or anomalies_table:
-        with spark_errors("writing the anomalies"):
-            _write_anomalies(C.anomalies(classified, names), anomalies_parquet, anomalies_table, say)
-
-    say("classifying every key (one pass over both tables)")
-    with spark_errors("classifying"):
-        groups = C.summarize(classified, names, sample_size).collect()
+    where_c = where_s = None
+    if found is not None:
+        where_c = D.predicates(probed_c, plan, found.differing, parts)
+        where_s = D.predicates(probed_s, plan, found.differing, parts)
+    read_started = time.time()
+    if where_c == []:
+        groups: list = []
+    else:
+        with spark_errors("reading the tables over JDBC"):
+            client_df = _read(spark, probed_c, parts, fetchsize, where=where_c)
+            server_df = _read(spark, probed_s, parts, fetchsize, grouped=grouped, where=where_s)
+        client_df, server_df = _aligned(client_df, server_df, client, server, pairs, server_pairs)
+        server_rows = (C.server_side_grouped(server_df, server.key, server_pairs, COPIES) if grouped
+                       else C.server_side(server_df, server.key, server_pairs))
+        classified = C.classify(C.client_side(client_df, client.key, pairs, client.status_column), server_rows,
+                                names)
+        if anomalies_parquet or anomalies_table:
+            with spark_errors("writing the anomalies"):
+                _write_anomalies(C.anomalies(classified, names), anomalies_parquet, anomalies_table, say)
+        say("classifying every key read (one pass over both tables)")
+        with spark_errors("classifying"):
+            groups = C.summarize(classified, names, sample_size).collect()
+    timing["reads_and_classification_s"] = round(time.time() - read_started, 3)
     result = _result(groups, names, sample_size)
     rows = result.metadata
+    if found is not None:
+        result.counts[C.OK] += found.ok_keys
+        rows["client_rows"] += found.ok_keys
+        rows["server_rows"] += found.ok_server_rows
     result.metadata = {
         "client": _side_meta(probed_c, rows["client_rows"]),
         "server": _side_meta(probed_s, rows["server_rows"]),
         "columns": [{"name": n, "client": c, "server": s} for (n, c), (_, s) in zip(pairs, server_pairs)],
         **_timing(started, time.time()),
+        "mode": {"requested": mode, "used": used, "reason": plan.reason, "pushdown": grouped is not None,
+                 **({"ranges": found.ranges, "ranges_read": len(found.differing), "keys_ok_by_digest": found.ok_keys}
+                    if found is not None else {})},
+        "seconds_split": timing,
         "spark": {"master": spark.sparkContext.master, "version": spark.version, "partitions_per_side": parts,
                   "fetchsize": fetchsize},
         "sample_size": sample_size,
     }
-    say(f"done in {result.metadata['seconds']:.1f}s: {result.verdict}")
+    say(f"done in {result.metadata['seconds']:.1f}s ({used} mode): {result.verdict}")
     return result
+
+
+def _timed(timing: dict, name: str, fn: Callable, *args):
+    """``fn(*args)``, its duration recorded in ``timing[name]``."""
+    t = time.time()
+    try:
+        return fn(*args)
+    finally:
+        timing[name] = round(time.time() - t, 3)
 
 
 def _split(probed: ProbedTable) -> str:
