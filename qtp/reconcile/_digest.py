@@ -85,7 +85,7 @@ def kind(sa_type: sa.types.TypeEngine) -> str | None:
 _PAIRS_OK = {frozenset({"integer", "decimal"})}
 
 
-def plan(client: ProbedTable, server: ProbedTable, pairs: Sequence[tuple[str, str]], ranges_hint: int = 0) -> Plan:
+def plan(client: ProbedTable, server: ProbedTable, pairs: Sequence[tuple[str, str]], width: int = 0) -> Plan:
     """Decide whether digest mode can run on these two tables, and cut the keys into ranges."""
     if not client.key_is_unique:
         return Plan(f"client key {client.spec.key!r} has no unique index (a key sent twice is classified per row)")
@@ -105,7 +105,7 @@ def plan(client: ProbedTable, server: ProbedTable, pairs: Sequence[tuple[str, st
     lower = min((b.lower for b in bounds), default=0)
     upper = max((b.upper for b in bounds), default=0)
     span = upper - lower + 1
-    width = max(ranges_hint or ROWS_PER_RANGE, -(-span // MAX_RANGES))
+    width = max(width or ROWS_PER_RANGE, -(-span // MAX_RANGES))
     return Plan(None, tuple(kinds), lower, width)
 
 

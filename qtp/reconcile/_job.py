@@ -273,6 +273,7 @@ def reconcile(
     anomalies_table: tuple[str, str] | None = None,
     mode: str = "auto",
     pushdown: bool = True,
+    range_width: int | None = None,
     log: Log | None = _stderr_log,
 ) -> ReconcileResult:
     """Reconcile ``client`` against ``server`` and return the classes, samples and run metadata.
@@ -286,6 +287,7 @@ def reconcile(
     ``mode``: ``full`` reads every row; ``digest`` has both databases digest ranges of keys and reads only
     the ranges that differ (see ``_digest``); ``auto`` uses digest mode when the tables allow it. The counts
     are the same in every mode. ``pushdown`` has the server's database group its rows by key.
+    ``range_width`` sets the keys per digest range (integer keys; default ``_digest.ROWS_PER_RANGE``).
     """
     if mode not in MODES:
         raise ConfigurationError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
@@ -300,7 +302,8 @@ def reconcile(
     if not probed_c.key_is_unique:
         say(f"warning: client key {client.key!r} has no primary key or unique index; a key the client holds "
             "twice is counted as two messages")
-    plan = D.plan(probed_c, probed_s, [(c, s) for (_, c), (_, s) in zip(pairs, server_pairs)])
+    column_pairs = [(c, s) for (_, c), (_, s) in zip(pairs, server_pairs)]
+    plan = D.plan(probed_c, probed_s, column_pairs, range_width or 0)
     if mode == "digest" and plan.reason:
         raise ConfigurationError(f"digest mode cannot run: {plan.reason}; use --mode full or auto")
     used = "full" if mode == "full" or plan.reason else "digest"
@@ -314,8 +317,7 @@ def reconcile(
         found = None
         if used == "digest":
             say(f"digest mode: {'key ranges of ' + str(plan.width) if plan.width else 'hashed key ranges'}")
-            found = _timed(timing, "digests_s", D.digests, probed_c, probed_s, plan,
-                           [(c, s) for (_, c), (_, s) in zip(pairs, server_pairs)])
+            found = _timed(timing, "digests_s", D.digests, probed_c, probed_s, plan, column_pairs)
             say(f"{len(found.differing)} of {found.ranges} ranges differ")
         spark = spark if future is None else future.result()
     parts = partitions or max(2, 2 * spark.sparkContext.defaultParallelism)
@@ -431,7 +433,8 @@ def _result(groups: Sequence, names: Sequence[str], sample_size: int) -> Reconci
         if cls == C.IN_DOUBT and copies > 0:
             in_doubt_applied += keys
         if cls in samples:
-            samples[cls].extend(sample.asDict(recursive=True) for sample in row["samples"] if sample is not None)
+            found = row["samples"] or ()  # no samples when the group's keys are NULL
+            samples[cls].extend(sample.asDict(recursive=True) for sample in found if sample is not None)
     for cls, rows in samples.items():
         rows.sort(key=lambda sample: (sample["key"] is None, sample["key"]))
         del rows[sample_size:]
