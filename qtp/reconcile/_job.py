@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 
 import sqlalchemy as sa
 from pyspark.sql import DataFrame, SparkSession
@@ -102,6 +105,9 @@ def spark_session(master: str | None = None, conf: Mapping[str, str] | None = No
         **dict(conf or {}),
     }
     settings["spark.jars"] = ",".join(filter(None, [settings.get("spark.jars", ""), *jars]))
+    if master is not None and not master.startswith("local"):
+        # Executors run no Python for this job (no UDFs); should one start, it needs this interpreter's path.
+        settings.setdefault("spark.pyspark.python", sys.executable)
     builder = SparkSession.builder.appName("qtp-reconcile")
     if master is not None or not launched_by_spark_submit():
         builder = builder.master(master or "local[*]")
@@ -109,7 +115,25 @@ def spark_session(master: str | None = None, conf: Mapping[str, str] | None = No
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    if not spark.sparkContext.master.startswith("local"):
+        spark.sparkContext.addPyFile(qtp_zip())
     return spark
+
+
+def qtp_zip() -> str:
+    """A zip of the qtp package (Python files only) for the executors' ``sys.path``, made once per process."""
+    global _QTP_ZIP
+    if _QTP_ZIP is None:
+        package = Path(__file__).resolve().parents[1]
+        target = Path(tempfile.mkdtemp(prefix="qtp-reconcile-")) / "qtp.zip"
+        with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as archive:
+            for source in sorted(package.rglob("*.py")):
+                archive.write(source, source.relative_to(package.parent))
+        _QTP_ZIP = str(target)
+    return _QTP_ZIP
+
+
+_QTP_ZIP: str | None = None
 
 
 @contextmanager
