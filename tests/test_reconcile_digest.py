@@ -27,7 +27,7 @@ DIFFERENT = {
     101: ("t", "a", "a "),  # trailing space
     102: ("t", None, ""),  # NULL vs empty string
     103: ("d", "1.5100", "1.5"),  # a real decimal difference (not a trailing zero)
-    104: ("t", "-", None),  # the NULL marker as text
+    104: ("t", "#", None),  # the NULL marker as text
     105: ("ts", "2024-03-01 12:00:00.000001+02", None),  # one microsecond later
     106: ("t2", "", "b"),  # with t below: ('ab', '') vs ('a', 'b') must not run together
 }

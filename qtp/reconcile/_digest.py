@@ -5,10 +5,11 @@ and an order-independent digest of its rows: the sum, per 60-bit slice, of the S
 canonical encoding. The sums are exact (PostgreSQL ``numeric``, MariaDB ``DECIMAL``), so the two servers agree
 bit for bit when, and only when, they hold the same multiset of encoded rows (up to a SHA-256 collision).
 
-The canonical encoding of a row is the concatenation of its fields, each written as ``<length>:<text>``
-(length in characters) or ``-`` for NULL, so that NULL, ``''`` and ``'-'`` all differ and no two field lists
-run together. The fields are the key, the compared columns in mapping order, and the status: ``c`` when the
-client's status is ``committed`` (every server row is ``c``), ``x`` otherwise. The text of a value by kind:
+The canonical encoding of a row is the concatenation of its fields: a text value as ``<length>:<text>``
+(length in characters), any other value as ``<text>;`` (no such text holds a ``;``), NULL as ``#``, so that
+NULL, ``''`` and ``'#'`` all differ and no two field lists run together. The fields are the key, the compared
+columns in mapping order, and the status (last, one character): ``c`` when the client's status is
+``committed`` (every server row is ``c``), ``x`` otherwise. The text of a value by kind:
 
     integer     decimal digits, e.g. ``-42``
     decimal     the value without trailing fractional zeros: ``1.50`` -> ``1.5``, ``2.00`` -> ``2``
@@ -116,7 +117,7 @@ def _q(name: str, backend: str) -> str:
     return quote_table(name, backend)
 
 
-def _text(col: str, kind_: str, backend: str) -> str:
+def _text(col: str, kind_: str, backend: str, scale: int | None) -> str:
     """SQL for the canonical text of a non-NULL value of ``col`` (NULL stays NULL)."""
     if backend == "postgresql":
         return {
@@ -129,10 +130,11 @@ def _text(col: str, kind_: str, backend: str) -> str:
             "timestamptz": f"to_char({col} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')",
         }[kind_]
     as_char = f"CAST({col} AS CHAR)"
+    # a DECIMAL with a scale always prints its point, one without never does
+    decimal_text = f"TRIM(TRAILING '.' FROM TRIM(TRAILING '0' FROM {as_char}))" if scale else as_char
     return {
         "integer": as_char,
-        "decimal": f"(CASE WHEN {as_char} LIKE '%.%' THEN TRIM(TRAILING '.' FROM TRIM(TRAILING '0' FROM {as_char})) "
-                   f"ELSE {as_char} END)",
+        "decimal": decimal_text,
         "boolean": f"CASE WHEN {col} THEN '1' ELSE '0' END",
         "text": f"CONVERT({col} USING utf8mb4)",
         "date": f"DATE_FORMAT({col}, '%Y-%m-%d')",
@@ -141,12 +143,14 @@ def _text(col: str, kind_: str, backend: str) -> str:
     }[kind_]
 
 
-def _field(col: str, kind_: str, backend: str) -> str:
-    """``<length>:<text>`` or ``-`` for NULL."""
-    text = _text(col, kind_, backend)
+def _field(col: str, kind_: str, backend: str, scale: int | None = None) -> str:
+    """Text: ``<length>:<text>``; any other kind (no ``;`` in its text): ``<text>;``; NULL: ``#``."""
+    text = _text(col, kind_, backend, scale)
     if backend == "postgresql":
-        return f"COALESCE(char_length({text})::text || ':' || {text}, '-')"
-    return f"COALESCE(CONCAT(CHAR_LENGTH({text}), ':', {text}), '-')"
+        encoded = f"char_length({col}) || ':' || {text}" if kind_ == "text" else f"{text} || ';'"
+        return f"COALESCE({encoded}, '#')"
+    encoded = f"CHAR_LENGTH({col}), ':', {text}" if kind_ == "text" else f"{text}, ';'"
+    return f"COALESCE(CONCAT({encoded}), '#')"
 
 
 def _status(probed: ProbedTable) -> tuple[str, str]:
@@ -176,14 +180,15 @@ def digest_sql(probed: ProbedTable, p: Plan, columns: Sequence[str], side: int) 
     """One query: range, rows, digested rows and the slice sums, per range."""
     backend = probed.backend
     names = [probed.spec.key, *columns]
-    fields = [_field(_q(col, backend), kinds[side], backend) for col, kinds in zip(names, p.kinds)]
+    fields = [_field(_q(col, backend), kinds[side], backend, getattr(probed.types[col], "scale", None))
+              for col, kinds in zip(names, p.kinds)]
     status, digested = _status(probed) if side == 0 else ("'c'", "1 = 1")
     if backend == "postgresql":
-        row = " || ".join([*fields, f"'1:' || {status}"])
+        row = " || ".join([*fields, status])
         hashed = f"encode(sha256(convert_to({row}, 'UTF8')), 'hex')"
         slices = [f"('x' || substr(h, {1 + 15 * i}, 15))::bit(60)::bigint" for i in range(SLICES)]
     else:
-        row = "CONCAT(" + ", ".join([*fields, "'1:'", status]) + ")"
+        row = "CONCAT(" + ", ".join([*fields, status]) + ")"
         hashed = f"SHA2({row}, 256)"
         slices = [f"CAST(CONV(SUBSTR(h, {1 + 15 * i}, 15), 16, 10) AS UNSIGNED)" for i in range(SLICES)]
     sums = ", ".join(f"SUM(CASE WHEN d THEN {s} END) AS s{i}" for i, s in enumerate(slices))
@@ -193,8 +198,13 @@ def digest_sql(probed: ProbedTable, p: Plan, columns: Sequence[str], side: int) 
             f"FROM ({inner}) t GROUP BY r")
 
 
-def _session_utc(conn: sa.Connection, backend: str) -> None:
-    conn.exec_driver_sql("SET TIME ZONE 'UTC'" if backend == "postgresql" else "SET time_zone = '+00:00'")
+def _session(conn: sa.Connection, backend: str) -> None:
+    """UTC for zoned timestamps; in PostgreSQL, a hash aggregate (it expects a group per row) and no JIT."""
+    if backend == "postgresql":
+        for setting in ("SET TIME ZONE 'UTC'", "SET jit = off", "SET work_mem = '256MB'"):
+            conn.exec_driver_sql(setting)
+    else:
+        conn.exec_driver_sql("SET time_zone = '+00:00'")
 
 
 def fetch(probed: ProbedTable, p: Plan, columns: Sequence[str], side: int) -> dict[int, tuple]:
@@ -202,7 +212,7 @@ def fetch(probed: ProbedTable, p: Plan, columns: Sequence[str], side: int) -> di
     engine = connect(probed.spec)
     try:
         with engine.connect() as conn:
-            _session_utc(conn, probed.backend)
+            _session(conn, probed.backend)
             sql = digest_sql(probed, p, columns, side)
             if probed.backend == "mysql":
                 sql = sql.replace("%", "%%")  # PyMySQL formats the statement with %
