@@ -122,7 +122,8 @@ def load_postgres(conn, rows: int) -> None:
         t = time.monotonic()
         cur.execute(f"DROP TABLE IF EXISTS {client}, {server}")
         cur.execute(f"CREATE TABLE {client} (id bigint NOT NULL, amount numeric(12,2), note text, status text)")
-        cur.execute(f"INSERT INTO {client} SELECT g, {AMOUNT.format(k='g')}, 'msg ' || g, {STATUS.format(c=cls('g', rows))} "
+        status = STATUS.format(c=cls("g", rows))
+        cur.execute(f"INSERT INTO {client} SELECT g, {AMOUNT.format(k='g')}, 'msg ' || g, {status} "
                     f"FROM generate_series(1, {rows}) g")
         cur.execute(f"ALTER TABLE {client} ADD PRIMARY KEY (id)")
         cur.execute(f"CREATE TABLE {server} (msg_id bigint NOT NULL, copy_no int NOT NULL, amt numeric(12,2), "
@@ -374,7 +375,8 @@ def main() -> int:
         results.append(row)
         print(json.dumps(row, indent=1), flush=True)
 
-    (out / f"results-{'sparse' if SPARSE else 'dense'}-{args.mode}.json").write_text(json.dumps({"results": results, "problems": problems}, indent=1))
+    name = f"results-{'sparse' if SPARSE else 'dense'}-{args.mode}.json"
+    (out / name).write_text(json.dumps({"results": results, "problems": problems}, indent=1))
     print(f"\n{'rows':>10} {'spark wall s':>12} {'job s':>7} {'rows/s':>10} {'py MiB':>7} {'jvm MiB':>8} "
           f"{'SQL s':>7} {'ratio':>6}")
     for r in results:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import sqlalchemy as sa
-from reconcile_support import spark  # noqa: F401  (session fixture)
+from reconcile_support import run_sql, spark  # noqa: F401  (session fixture)
 from test_reconcile_integration import anomalous_tables  # noqa: F401  (fixture)
 
 from qtp.errors import ConfigurationError
@@ -164,12 +164,9 @@ def test_text_keys_are_digested_in_hashed_ranges(pg_db, maria_db, spark):
 
 def test_auto_falls_back_to_full_and_digest_is_refused_with_the_reason(pg_db, maria_db, spark):
     client_url, server_url = pg_db("client"), maria_db("server")
-    with sa.create_engine(client_url).begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE c (k int PRIMARY KEY, x double precision)")
-        conn.exec_driver_sql("INSERT INTO c VALUES (1, 0.5), (2, 1.5)")
-    with sa.create_engine(server_url).begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE s (k int, x double)")
-        conn.exec_driver_sql("INSERT INTO s VALUES (1, 0.5), (2, 1.25)")
+    run_sql(client_url, "CREATE TABLE c (k int PRIMARY KEY, x double precision)",
+            "INSERT INTO c VALUES (1, 0.5), (2, 1.5)")
+    run_sql(server_url, "CREATE TABLE s (k int, x double)", "INSERT INTO s VALUES (1, 0.5), (2, 1.25)")
     client, server = TableSpec(client_url, "c", "k", ("x",)), TableSpec(server_url, "s", "k")
     seen: list[str] = []
     result = reconcile(client, server, spark=spark, log=seen.append)

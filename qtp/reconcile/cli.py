@@ -112,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     result = reconcile(
         client, server, master=args.master, spark_conf=_conf(args.conf), partitions=args.partitions,
         fetchsize=args.fetchsize, sample_size=args.samples, anomalies_parquet=args.anomalies_parquet,
-        anomalies_table=anomalies_table, mode=args.mode, pushdown=not args.no_pushdown, log=None if args.quiet else _stderr_log,
+        anomalies_table=anomalies_table, mode=args.mode, pushdown=not args.no_pushdown,
+        log=None if args.quiet else _stderr_log,
     )
     print(summary_table(result))
     if args.json:
