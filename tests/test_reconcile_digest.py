@@ -177,3 +177,20 @@ def test_auto_falls_back_to_full_and_digest_is_refused_with_the_reason(pg_db, ma
         reconcile(client, server, spark=spark, mode="digest", log=None)
     with pytest.raises(ConfigurationError, match=r"unknown mode 'fast': use one of auto, digest, full"):
         reconcile(client, server, spark=spark, mode="fast", log=None)
+
+
+def test_auto_reads_everything_when_a_sample_of_ranges_shows_dense_anomalies(pg_db, maria_db, spark):
+    client_url, server_url = pg_db("client"), maria_db("server")
+    run_sql(client_url, "CREATE TABLE c (k bigint PRIMARY KEY, v int)",
+            "INSERT INTO c SELECT g, g FROM generate_series(1, 400) g")
+    run_sql(server_url, "CREATE TABLE s (k bigint, v int)",
+            "INSERT INTO s SELECT seq, seq + (MOD(seq, 5) = 0) FROM seq_1_to_400")  # one in five differs
+    client, server = TableSpec(client_url, "c", "k", ("v",)), TableSpec(server_url, "s", "k")
+    seen: list[str] = []
+    auto = reconcile(client, server, spark=spark, range_width=10, log=seen.append)
+    assert auto.metadata["mode"]["used"] == "full"
+    assert auto.metadata["mode"]["reason"] == "40 of 40 sampled key ranges differ (anomalies are dense)"
+    assert "auto mode: 40 of 40 sampled ranges differ" in seen
+    digest = reconcile(client, server, spark=spark, mode="digest", range_width=10, log=None)
+    assert auto.counts == digest.counts and digest.counts["mismatched"] == 80 and digest.counts["ok"] == 320
+    assert digest.metadata["mode"]["ranges_read"] == 40

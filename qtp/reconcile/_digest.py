@@ -45,6 +45,8 @@ MAX_RANGES = 65536
 HASH_BITS = 12  # text keys: ranges are the first 12 bits of the key's MD5 (4096 ranges)
 SLICES = 2  # 60-bit slices of the SHA-256 summed per range: a 120-bit digest
 NULL_RANGE = -1
+SAMPLE_RANGES = 64  # auto mode: ranges digested first, to tell the usual case from a dense one
+DENSE = 0.5  # auto mode: above this fraction of differing sampled ranges, read everything
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,7 @@ def range_of(probed: ProbedTable, p: Plan) -> str:
     return f"CAST(CONV(SUBSTR(MD5(CONVERT({key} USING utf8mb4)), 1, {hexes}), 16, 10) AS SIGNED)"
 
 
-def digest_sql(probed: ProbedTable, p: Plan, columns: Sequence[str], side: int) -> str:
+def digest_sql(probed: ProbedTable, p: Plan, columns: Sequence[str], side: int, where: str | None = None) -> str:
     """One query: range, rows, digested rows and the slice sums, per range."""
     backend = probed.backend
     names = [probed.spec.key, *columns]
@@ -193,7 +195,7 @@ def digest_sql(probed: ProbedTable, p: Plan, columns: Sequence[str], side: int) 
         slices = [f"CAST(CONV(SUBSTR(h, {1 + 15 * i}, 15), 16, 10) AS UNSIGNED)" for i in range(SLICES)]
     sums = ", ".join(f"SUM(CASE WHEN d THEN {s} END) AS s{i}" for i, s in enumerate(slices))
     inner = (f"SELECT {range_of(probed, p)} AS r, ({digested}) AS d, {hashed} AS h "
-             f"FROM {_q(probed.spec.table, backend)}")
+             f"FROM {_q(probed.spec.table, backend)}{f' WHERE {where}' if where else ''}")
     return (f"SELECT r, COUNT(*) AS n, SUM(CASE WHEN d THEN 1 ELSE 0 END) AS dn, {sums} "
             f"FROM ({inner}) t GROUP BY r")
 
@@ -207,13 +209,15 @@ def _session(conn: sa.Connection, backend: str) -> None:
         conn.exec_driver_sql("SET time_zone = '+00:00'")
 
 
-def fetch(probed: ProbedTable, p: Plan, columns: Sequence[str], side: int) -> dict[int, tuple]:
+def fetch(probed: ProbedTable, p: Plan, columns: Sequence[str], side: int,
+          ranges: Sequence[int] | None = None) -> dict[int, tuple]:
     """Run one side's digest query: {range: (rows, digested rows, sum 0, sum 1, ...)}; NULL keys -> -1."""
     engine = connect(probed.spec)
     try:
         with engine.connect() as conn:
             _session(conn, probed.backend)
-            sql = digest_sql(probed, p, columns, side)
+            where = predicates(probed, p, ranges, 1)[0] if ranges else None
+            sql = digest_sql(probed, p, columns, side, where)
             if probed.backend == "mysql":
                 sql = sql.replace("%", "%%")  # PyMySQL formats the statement with %
             rows = conn.exec_driver_sql(sql).all()
@@ -237,12 +241,22 @@ def compare(client: dict[int, tuple], server: dict[int, tuple]) -> Digests:
     return Digests(differing, ok_keys, ok_server, len(set(client) | set(server)))
 
 
-def digests(client: ProbedTable, server: ProbedTable, p: Plan, pairs: Sequence[tuple[str, str]]) -> Digests:
-    """Both sides' digest queries, run at once, compared."""
+def digests(client: ProbedTable, server: ProbedTable, p: Plan, pairs: Sequence[tuple[str, str]],
+            ranges: Sequence[int] | None = None) -> Digests:
+    """Both sides' digest queries (of every range, or of ``ranges`` only), run at once, compared."""
     with ThreadPoolExecutor(2) as pool:
-        c = pool.submit(fetch, client, p, [c for c, _ in pairs], 0)
-        s = pool.submit(fetch, server, p, [s for _, s in pairs], 1)
+        c = pool.submit(fetch, client, p, [c for c, _ in pairs], 0, ranges)
+        s = pool.submit(fetch, server, p, [s for _, s in pairs], 1, ranges)
         return compare(c.result(), s.result())
+
+
+def sample(client: ProbedTable, server: ProbedTable, p: Plan, count: int = SAMPLE_RANGES) -> list[int]:
+    """Up to ``count`` integer-key ranges spread evenly over the keys (each read through the key's index)."""
+    bounds = [b.upper for b in (client.key_bounds, server.key_bounds) if b is not None]
+    if not p.width or not bounds:
+        return []
+    last = (max(bounds) - p.lower) // p.width
+    return sorted({last * i // max(1, count - 1) for i in range(count)})
 
 
 def predicates(probed: ProbedTable, p: Plan, ranges: Sequence[int], partitions: int) -> list[str]:

@@ -330,9 +330,10 @@ def reconcile(
     plan = D.plan(probed_c, probed_s, column_pairs, range_width or 0)
     if mode == "digest" and plan.reason:
         raise ConfigurationError(f"digest mode cannot run: {plan.reason}; use --mode full or auto")
-    used = "full" if mode == "full" or plan.reason else "digest"
-    if mode == "auto" and plan.reason:
-        say(f"auto mode: full, because {plan.reason}")
+    reason = plan.reason or (_dense(probed_c, probed_s, plan, column_pairs, say) if mode == "auto" else None)
+    used = "full" if mode == "full" or reason else "digest"
+    if mode == "auto" and reason:
+        say(f"auto mode: full, because {reason}")
 
     timing: dict[str, float] = {}
     with ThreadPoolExecutor(1) as pool:
@@ -388,7 +389,7 @@ def reconcile(
         "server": _side_meta(probed_s, rows["server_rows"]),
         "columns": [{"name": n, "client": c, "server": s} for (n, c), (_, s) in zip(pairs, server_pairs)],
         **_timing(started, time.time()),
-        "mode": {"requested": mode, "used": used, "reason": plan.reason, "pushdown": grouped is not None,
+        "mode": {"requested": mode, "used": used, "reason": reason, "pushdown": grouped is not None,
                  **({"ranges": found.ranges, "ranges_read": len(found.differing), "keys_ok_by_digest": found.ok_keys}
                     if found is not None else {})},
         "seconds_split": timing,
@@ -398,6 +399,20 @@ def reconcile(
     }
     say(f"done in {result.metadata['seconds']:.1f}s ({used} mode): {result.verdict}")
     return result
+
+
+def _dense(client: ProbedTable, server: ProbedTable, plan: D.Plan, pairs: list[tuple[str, str]],
+           say: Log) -> str | None:
+    """Auto mode: digest a sample of ranges first; when most differ, reading everything is cheaper."""
+    ranges = D.sample(client, server, plan)
+    if not ranges:
+        return None
+    found = D.digests(client, server, plan, pairs, ranges)
+    differing = len([r for r in found.differing if r != D.NULL_RANGE])
+    say(f"auto mode: {differing} of {len(ranges)} sampled ranges differ")
+    if differing > D.DENSE * len(ranges):
+        return f"{differing} of {len(ranges)} sampled key ranges differ (anomalies are dense)"
+    return None
 
 
 ROWS_PER_READ = 250_000  # digest mode: rows per JDBC read partition (and per shuffle partition)
