@@ -10,7 +10,7 @@ table (about N rows) into MariaDB, with every class injected by key (key mod 100
 
 With ``--sparse`` (issue 12: the usual case after a campaign) the same nine classes are injected only at the
 keys whose ``key mod (N/10)`` is 1..9 (ten blocks), plus 20 unexpected keys: 100 anomalies in all, in tables
-``client_sparse_N`` / ``server_sparse_N``. ``--mode`` and ``--no-pushdown`` are passed to the job.
+``client_sparse_N`` / ``server_sparse_N``. ``--mode`` and ``--pushdown``/``--no-pushdown`` are passed to the job.
 
 and a copy of the server table into the same PostgreSQL. It then runs ``python -m qtp.reconcile`` in a child
 process, sampling the resident memory of the Python driver and of its JVM (the Spark driver, which in
@@ -244,8 +244,8 @@ def run_spark(pg_url: str, maria_url: str, rows: int, args: argparse.Namespace, 
     ]
     if args.partitions:
         cmd += ["--partitions", str(args.partitions)]
-    if args.no_pushdown:
-        cmd.append("--no-pushdown")
+    if args.pushdown is not None:
+        cmd.append("--pushdown" if args.pushdown else "--no-pushdown")
     t = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sampler = MemorySampler(proc.pid)
@@ -313,7 +313,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, help="Spark runs per size (SQL runs twice as many)")
     parser.add_argument("--sparse", action="store_true", help="100 anomalies in all instead of 9 per 1,000 keys")
     parser.add_argument("--mode", default="auto", choices=("auto", "digest", "full"))
-    parser.add_argument("--no-pushdown", action="store_true")
+    parser.add_argument("--pushdown", action="store_true", default=None)
+    parser.add_argument("--no-pushdown", dest="pushdown", action="store_false")
     parser.add_argument("--no-floor", action="store_true", help="skip the JDBC read-only measurement")
     parser.add_argument("--child-floor", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--pg-url", help=argparse.SUPPRESS)
@@ -369,7 +370,7 @@ def main() -> int:
             "driver_memory": args.driver_memory, "read_floor": floor,
             "load_average_after": round(psutil.getloadavg()[0], 2),
             "mode": best["report"]["metadata"].get("mode"), "split": best["report"]["metadata"].get("seconds_split"),
-            "args": {"sparse": args.sparse, "mode": args.mode, "no_pushdown": args.no_pushdown},
+            "args": {"sparse": args.sparse, "mode": args.mode, "pushdown": args.pushdown},
             "counts": best["report"]["counts"], "verdict": best["report"]["verdict"], "exit_code": best["exit_code"],
         }
         results.append(row)

@@ -112,8 +112,8 @@ def test_every_anomaly_class_counts_the_same_in_digest_and_full_mode(anomalous_t
     client = TableSpec(client_url, "outbox", "id", ("amount", "note"), "status")
     server = TableSpec(server_url, "applied", "msg_id", ("amt", "note"))
     full = reconcile(client, server, spark=spark, mode="full", pushdown=False, log=None)
-    full_pushed = reconcile(client, server, spark=spark, mode="full", log=None)
-    digest = reconcile(client, server, spark=spark, mode="digest", range_width=width, log=None)
+    full_pushed = reconcile(client, server, spark=spark, mode="full", pushdown=True, log=None)
+    digest = reconcile(client, server, spark=spark, mode="digest", range_width=width, pushdown=True, log=None)
     assert full.counts == full_pushed.counts == digest.counts
     assert full.counts["ok"] == 287 and full.counts["lost"] == 3
     for result in (full_pushed, digest):
@@ -139,7 +139,7 @@ def test_a_clean_delivery_in_digest_mode_reads_no_range(pg_db, maria_db, spark):
         conn.execute(sa.text("INSERT INTO s VALUES (:k, :v)"), [r for r in rows if r["s"] == "committed"])
     client, server = TableSpec(client_url, "c", "k", ("v",), "s"), TableSpec(server_url, "s", "k")
     digest = reconcile(client, server, spark=spark, range_width=100, log=None)  # auto picks digest
-    assert digest.metadata["mode"] == {"requested": "auto", "used": "digest", "reason": None, "pushdown": True,
+    assert digest.metadata["mode"] == {"requested": "auto", "used": "digest", "reason": None, "pushdown": False,
                                        "ranges": 20, "ranges_read": 0, "keys_ok_by_digest": 2000}
     assert digest.counts == reconcile(client, server, spark=spark, mode="full", log=None).counts
     assert digest.counts["ok"] == 2000 and digest.exactly_once

@@ -211,6 +211,10 @@ def key_type(client: T.DataType, server: T.DataType, client_name: str, server_na
 
 
 COPIES = "qtp_copies"  # the row count of the server's pushed-down GROUP BY
+# MariaDB materialises a GROUP BY in a derived table as a temporary table (on disk in tmpdir at millions of
+# keys): not faster than Spark's grouping in benchmarks/reconcile.py, and twice a 5M-row run failed when the
+# temporary file vanished. PostgreSQL streams the aggregate.
+PUSHDOWN_DEFAULT = {"postgresql": True, "mysql": False}
 
 
 def _grouped_table(probed: ProbedTable) -> str | None:
@@ -296,7 +300,7 @@ def reconcile(
     anomalies_parquet: str | None = None,
     anomalies_table: tuple[str, str] | None = None,
     mode: str = "auto",
-    pushdown: bool = True,
+    pushdown: bool | None = None,
     range_width: int | None = None,
     log: Log | None = _stderr_log,
 ) -> ReconcileResult:
@@ -310,7 +314,8 @@ def reconcile(
 
     ``mode``: ``full`` reads every row; ``digest`` has both databases digest ranges of keys and reads only
     the ranges that differ (see ``_digest``); ``auto`` uses digest mode when the tables allow it. The counts
-    are the same in every mode. ``pushdown`` has the server's database group its rows by key.
+    are the same in every mode. ``pushdown`` has the server's database group its rows by key (default: only
+    when the server is PostgreSQL; see ``PUSHDOWN_DEFAULT``).
     ``range_width`` sets the keys per digest range (integer keys; default ``_digest.ROWS_PER_RANGE``).
     """
     if mode not in MODES:
@@ -346,6 +351,8 @@ def reconcile(
             say(f"{len(found.differing)} of {found.ranges} ranges differ")
         spark = spark if future is None else future.result()
     parts = partitions or max(2, 2 * spark.sparkContext.defaultParallelism)
+    if pushdown is None:
+        pushdown = PUSHDOWN_DEFAULT[probed_s.backend]
     grouped = _grouped_table(probed_s) if pushdown else None
     for side, probed in (("client", probed_c), ("server", probed_s)):
         say(f"{side}: {probed.display_url} table {probed.spec.table}, {_split(probed)}, {parts} partitions, "

@@ -74,8 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_.add_argument("--mode", choices=("auto", "digest", "full"), default="auto",
                       help="digest: the databases digest ranges of keys and only differing ranges are read; "
                            "full: read every row; auto (default): digest when the column types allow it")
-    run_.add_argument("--no-pushdown", action="store_true",
-                      help="group the server's rows by key in Spark instead of in the server's database")
+    push = run_.add_mutually_exclusive_group()
+    push.add_argument("--pushdown", action="store_true", default=None,
+                      help="group the server's rows by key in its database (default for a PostgreSQL server)")
+    push.add_argument("--no-pushdown", dest="pushdown", action="store_false",
+                      help="group the server's rows by key in Spark (default for a MariaDB/MySQL server)")
     run_.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -112,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     result = reconcile(
         client, server, master=args.master, spark_conf=_conf(args.conf), partitions=args.partitions,
         fetchsize=args.fetchsize, sample_size=args.samples, anomalies_parquet=args.anomalies_parquet,
-        anomalies_table=anomalies_table, mode=args.mode, pushdown=not args.no_pushdown,
+        anomalies_table=anomalies_table, mode=args.mode, pushdown=args.pushdown,
         log=None if args.quiet else _stderr_log,
     )
     print(summary_table(result))
