@@ -8,6 +8,10 @@ table (about N rows) into MariaDB, with every class injected by key (key mod 100
     1 lost            2 duplicated x2       3 duplicated x3     4 mismatched amount   5 mismatched note
     6 aborted+applied 7 aborted, absent(ok) 8 in doubt, applied 9 in doubt, absent    N+1..N+N/1000 unexpected
 
+With ``--sparse`` (issue 12: the usual case after a campaign) the same nine classes are injected only at the
+keys whose ``key mod (N/10)`` is 1..9 (ten blocks), plus 20 unexpected keys: 100 anomalies in all, in tables
+``client_sparse_N`` / ``server_sparse_N``. ``--mode`` and ``--pushdown``/``--no-pushdown`` are passed to the job.
+
 and a copy of the server table into the same PostgreSQL. It then runs ``python -m qtp.reconcile`` in a child
 process, sampling the resident memory of the Python driver and of its JVM (the Spark driver, which in
 local mode also runs the executors), and times the same classification as one SQL query in PostgreSQL.
@@ -38,28 +42,51 @@ from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres  # noqa: E402
 DB = "bench"
 
 
+SPARSE = False  # set by --sparse
+
+
+def blocks(rows: int) -> int:
+    """How many keys carry each injected class."""
+    return 10 if SPARSE else rows // 1000
+
+
+def unexpected(rows: int) -> int:
+    return 20 if SPARSE else rows // 1000
+
+
+def cls(k: str, rows: int) -> str:
+    """SQL for the injected class (0: none) of key ``k``."""
+    if SPARSE:
+        return f"(CASE WHEN MOD({k},{rows // 10}) < 10 THEN MOD({k},{rows // 10}) ELSE 0 END)"
+    return f"MOD({k},1000)"
+
+
+def table(side: str, rows: int) -> str:
+    return f"{side}_sparse_{rows}" if SPARSE else f"{side}_{rows}"
+
+
 def expected_counts(rows: int) -> dict:
-    m = rows // 1000
+    m, u = blocks(rows), unexpected(rows)
     return {
-        "counts": {"ok": rows - 8 * m, "lost": m, "duplicated": 2 * m, "unexpected": m, "mismatched": 2 * m,
+        "counts": {"ok": rows - 8 * m, "lost": m, "duplicated": 2 * m, "unexpected": u, "mismatched": 2 * m,
                    "applied_but_aborted": m, "in_doubt": 2 * m},
         "duplicate_histogram": {"2": m, "3": m},
         "mismatched_columns": {"amount": m, "note": m},
         "in_doubt_applied": m,
-        "server_rows": rows + m,
+        "server_rows": rows + u,
     }
 
 
 # ------------------------------------------------------------------------------------------------ data
 
-STATUS = "CASE MOD({k},1000) WHEN 6 THEN 'aborted' WHEN 7 THEN 'aborted' WHEN 8 THEN 'in_doubt' " \
+STATUS = "CASE {c} WHEN 6 THEN 'aborted' WHEN 7 THEN 'aborted' WHEN 8 THEN 'in_doubt' " \
          "WHEN 9 THEN 'in_doubt' ELSE 'committed' END"
 AMOUNT = "MOD({k},100000) * 0.01"
-SERVER_AMOUNT = "MOD({k},100000) * 0.01 + CASE WHEN MOD({k},1000) = 4 THEN 1 ELSE 0 END"
+SERVER_AMOUNT = "MOD({k},100000) * 0.01 + CASE WHEN {c} = 4 THEN 1 ELSE 0 END"
 
 
-def _server_note(k: str, concat) -> str:
-    return f"CASE WHEN MOD({k},1000) = 5 THEN {concat(repr('msg '), k, repr('!'))} ELSE {concat(repr('msg '), k)} END"
+def _server_note(k: str, c: str, concat) -> str:
+    return f"CASE WHEN {c} = 5 THEN {concat(repr('msg '), k, repr('!'))} ELSE {concat(repr('msg '), k)} END"
 
 
 def _pg_concat(*parts: str) -> str:
@@ -73,28 +100,30 @@ def _my_concat(*parts: str) -> str:
 def _server_selects(k: str, concat, source, lo: int, hi: int, rows: int) -> list[str]:
     """INSERT ... SELECT bodies for the server table's keys lo..hi: copy 1, copies 2 and 3, and (when hi is
     the last key) the unexpected keys after it."""
-    cols = f"{k}, {{copy}}, {SERVER_AMOUNT.format(k=k)}, {_server_note(k, concat)}"
+    c = cls(k, rows)
+    cols = f"{k}, {{copy}}, {SERVER_AMOUNT.format(k=k, c=c)}, {_server_note(k, c, concat)}"
     keys = source(lo, hi)
     bodies = [
-        f"SELECT {cols.format(copy=1)} FROM {keys} WHERE MOD({k},1000) NOT IN (1, 7, 9)",
-        f"SELECT {cols.format(copy=2)} FROM {keys} WHERE MOD({k},1000) IN (2, 3)",
-        f"SELECT {cols.format(copy=3)} FROM {keys} WHERE MOD({k},1000) = 3",
+        f"SELECT {cols.format(copy=1)} FROM {keys} WHERE {c} NOT IN (1, 7, 9)",
+        f"SELECT {cols.format(copy=2)} FROM {keys} WHERE {c} IN (2, 3)",
+        f"SELECT {cols.format(copy=3)} FROM {keys} WHERE {c} = 3",
     ]
     if hi == rows:
-        bodies.append(f"SELECT {k}, 1, 1.00, 'never sent' FROM {source(rows + 1, rows + rows // 1000)}")
+        bodies.append(f"SELECT {k}, 1, 1.00, 'never sent' FROM {source(rows + 1, rows + unexpected(rows))}")
     return bodies
 
 
 def load_postgres(conn, rows: int) -> None:
-    client, server = f"client_{rows}", f"server_{rows}"
+    client, server = table("client", rows), table("server", rows)
     with conn.cursor() as cur:
-        cur.execute("SELECT to_regclass(%s) IS NOT NULL", (f"loaded_{rows}",))
+        cur.execute("SELECT to_regclass(%s) IS NOT NULL", (f"loaded_{client}",))
         if cur.fetchone()[0]:
             return
         t = time.monotonic()
         cur.execute(f"DROP TABLE IF EXISTS {client}, {server}")
         cur.execute(f"CREATE TABLE {client} (id bigint NOT NULL, amount numeric(12,2), note text, status text)")
-        cur.execute(f"INSERT INTO {client} SELECT g, {AMOUNT.format(k='g')}, 'msg ' || g, {STATUS.format(k='g')} "
+        status = STATUS.format(c=cls("g", rows))
+        cur.execute(f"INSERT INTO {client} SELECT g, {AMOUNT.format(k='g')}, 'msg ' || g, {status} "
                     f"FROM generate_series(1, {rows}) g")
         cur.execute(f"ALTER TABLE {client} ADD PRIMARY KEY (id)")
         cur.execute(f"CREATE TABLE {server} (msg_id bigint NOT NULL, copy_no int NOT NULL, amt numeric(12,2), "
@@ -105,12 +134,12 @@ def load_postgres(conn, rows: int) -> None:
         cur.execute(f"ALTER TABLE {server} ADD PRIMARY KEY (msg_id, copy_no)")
         cur.execute(f"VACUUM ANALYZE {client}")
         cur.execute(f"VACUUM ANALYZE {server}")
-        cur.execute(f"CREATE TABLE loaded_{rows} (n int)")
+        cur.execute(f"CREATE TABLE loaded_{client} (n int)")
         print(f"  postgresql: loaded {client} and {server} in {time.monotonic() - t:.0f}s", flush=True)
 
 
 def load_mariadb(conn, rows: int) -> None:
-    server = f"server_{rows}"
+    server = table("server", rows)
     with conn.cursor() as cur:
         cur.execute(f"SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = '{DB}' "
                     f"AND table_name = '{server}_done'")
@@ -163,7 +192,7 @@ FROM k GROUP BY class, copies
 def run_sql(pg_conn, rows: int) -> dict:
     t = time.monotonic()
     with pg_conn.cursor() as cur:
-        cur.execute(SQL.format(client=f"client_{rows}", server=f"server_{rows}"))
+        cur.execute(SQL.format(client=table("client", rows), server=table("server", rows)))
         groups = cur.fetchall()
     seconds = time.monotonic() - t
     counts = {}
@@ -206,8 +235,8 @@ def run_spark(pg_url: str, maria_url: str, rows: int, args: argparse.Namespace, 
     report = out / f"reconcile-{rows}.json"
     cmd = [
         sys.executable, "-m", "qtp.reconcile", "--quiet",
-        "--client-url", pg_url, "--client-table", f"client_{rows}",
-        "--server-url", maria_url, "--server-table", f"server_{rows}",
+        "--client-url", pg_url, "--client-table", table("client", rows),
+        "--server-url", maria_url, "--server-table", table("server", rows), "--mode", args.mode,
         "--key", "id=msg_id", "--columns", "amount=amt,note", "--client-status-column", "status",
         "--json", str(report), "--html", str(out / f"reconcile-{rows}.html"),
         "--master", args.master, "--fetchsize", str(args.fetchsize),
@@ -215,6 +244,8 @@ def run_spark(pg_url: str, maria_url: str, rows: int, args: argparse.Namespace, 
     ]
     if args.partitions:
         cmd += ["--partitions", str(args.partitions)]
+    if args.pushdown is not None:
+        cmd.append("--pushdown" if args.pushdown else "--no-pushdown")
     t = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sampler = MemorySampler(proc.pid)
@@ -252,8 +283,8 @@ def child_floor(args: argparse.Namespace) -> int:
     spark = spark_session(args.master, {"spark.driver.memory": args.driver_memory,
                                         "spark.ui.showConsoleProgress": "false"})
     started = time.monotonic()
-    client = probe(TableSpec(args.pg_url, f"client_{rows}", "id", ("amount", "note"), "status"), "client")
-    server = probe(TableSpec(args.maria_url, f"server_{rows}", "msg_id", ("amt", "note")), "server")
+    client = probe(TableSpec(args.pg_url, table("client", rows), "id", ("amount", "note"), "status"), "client")
+    server = probe(TableSpec(args.maria_url, table("server", rows), "msg_id", ("amt", "note")), "server")
     parts = 2 * spark.sparkContext.defaultParallelism
     both = _read(spark, client, parts, args.fetchsize).select(F.col("id").alias("k"), "note").unionByName(
         _read(spark, server, parts, args.fetchsize).select(F.col("msg_id").alias("k"), "note"))
@@ -280,11 +311,17 @@ def main() -> int:
     parser.add_argument("--partitions", type=int)
     parser.add_argument("--fetchsize", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=1, help="Spark runs per size (SQL runs twice as many)")
+    parser.add_argument("--sparse", action="store_true", help="100 anomalies in all instead of 9 per 1,000 keys")
+    parser.add_argument("--mode", default="auto", choices=("auto", "digest", "full"))
+    parser.add_argument("--pushdown", action="store_true", default=None)
+    parser.add_argument("--no-pushdown", dest="pushdown", action="store_false")
     parser.add_argument("--no-floor", action="store_true", help="skip the JDBC read-only measurement")
     parser.add_argument("--child-floor", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--pg-url", help=argparse.SUPPRESS)
     parser.add_argument("--maria-url", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global SPARSE
+    SPARSE = args.sparse
     if args.child_floor:
         return child_floor(args)
     sizes = args.rows or [5_000_000, 1_000_000]
@@ -332,12 +369,15 @@ def main() -> int:
             "spark_runs_wall_s": [round(r["wall_seconds"], 2) for r in spark_runs],
             "driver_memory": args.driver_memory, "read_floor": floor,
             "load_average_after": round(psutil.getloadavg()[0], 2),
+            "mode": best["report"]["metadata"].get("mode"), "split": best["report"]["metadata"].get("seconds_split"),
+            "args": {"sparse": args.sparse, "mode": args.mode, "pushdown": args.pushdown},
             "counts": best["report"]["counts"], "verdict": best["report"]["verdict"], "exit_code": best["exit_code"],
         }
         results.append(row)
         print(json.dumps(row, indent=1), flush=True)
 
-    (out / "results.json").write_text(json.dumps({"results": results, "problems": problems}, indent=1))
+    name = f"results-{'sparse' if SPARSE else 'dense'}-{args.mode}.json"
+    (out / name).write_text(json.dumps({"results": results, "problems": problems}, indent=1))
     print(f"\n{'rows':>10} {'spark wall s':>12} {'job s':>7} {'rows/s':>10} {'py MiB':>7} {'jvm MiB':>8} "
           f"{'SQL s':>7} {'ratio':>6}")
     for r in results:

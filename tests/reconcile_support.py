@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import sqlalchemy as sa
 
 from qtp.reconcile import spark_session
 
@@ -20,3 +21,10 @@ def spark():
     session = spark_session("local[2]", SPARK_CONF)
     yield session
     session.stop()
+
+
+def run_sql(url: str, *statements: str) -> None:
+    """Run plain SQL statements in one transaction on the database at ``url``."""
+    with sa.create_engine(url).begin() as conn:
+        for statement in statements:
+            conn.exec_driver_sql(statement)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from reconcile_support import spark  # noqa: F401  (session fixture)
+from reconcile_support import run_sql, spark  # noqa: F401  (session fixture)
 
 import qtp.reconcile
 from qtp import cli
@@ -153,12 +153,10 @@ def test_a_single_lost_message_among_string_keys_is_found(pg_db, maria_db, spark
 @pytest.fixture
 def small_tables(pg_db, maria_db):
     client_url, server_url = pg_db("client"), maria_db("server")
-    with sa.create_engine(client_url).begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE outbox (id bigint PRIMARY KEY, amount int)")
-        conn.exec_driver_sql("INSERT INTO outbox VALUES (1, 10), (2, 20)")
-    with sa.create_engine(server_url).begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE applied (msg_id bigint, amount int, code varchar(10))")
-        conn.exec_driver_sql("INSERT INTO applied VALUES (1, 10, 'a'), (2, 20, 'b')")
+    run_sql(client_url, "CREATE TABLE outbox (id bigint PRIMARY KEY, amount int)",
+            "INSERT INTO outbox VALUES (1, 10), (2, 20)")
+    run_sql(server_url, "CREATE TABLE applied (msg_id bigint, amount int, code varchar(10))",
+            "INSERT INTO applied VALUES (1, 10, 'a'), (2, 20, 'b')")
     return client_url, server_url
 
 

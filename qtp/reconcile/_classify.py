@@ -72,6 +72,15 @@ def server_side(df: DataFrame, key: str, columns: Sequence[tuple[str, str]]) -> 
     )
 
 
+def server_side_grouped(df: DataFrame, key: str, columns: Sequence[tuple[str, str]], copies: str) -> DataFrame:
+    """``server_side`` for a frame the database has already grouped by key (``copies`` counts the rows).
+
+    The payload of a key held several times is then the column-wise minimum of its copies.
+    """
+    payload = F.struct(*[F.col(source).alias(name) for name, source in columns])
+    return df.select(F.col(key).alias("key"), F.col(copies).cast("long").alias("copies"), payload.alias("server"))
+
+
 def differing_columns(names: Sequence[str]) -> Column:
     """The payload columns whose client and server values differ (null-safe); empty unless both sides exist."""
     both_sides = F.col("client").isNotNull() & F.col("server").isNotNull()

@@ -10,18 +10,24 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 
+import sqlalchemy as sa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from qtp.errors import ConfigurationError, QtpError, ReconcileError
 from qtp.reconcile import _classify as C
+from qtp.reconcile import _digest as D
 from qtp.reconcile._sources import (
     ProbedTable,
     TableSpec,
@@ -93,6 +99,9 @@ def spark_session(master: str | None = None, conf: Mapping[str, str] | None = No
         **dict(conf or {}),
     }
     settings["spark.jars"] = ",".join(filter(None, [settings.get("spark.jars", ""), *jars]))
+    if master is not None and not master.startswith("local"):
+        # Executors run no Python for this job (no UDFs); should one start, it needs this interpreter's path.
+        settings.setdefault("spark.pyspark.python", sys.executable)
     builder = SparkSession.builder.appName("qtp-reconcile")
     if master is not None or not launched_by_spark_submit():
         builder = builder.master(master or "local[*]")
@@ -100,7 +109,25 @@ def spark_session(master: str | None = None, conf: Mapping[str, str] | None = No
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    if not spark.sparkContext.master.startswith("local"):
+        spark.sparkContext.addPyFile(qtp_zip())
     return spark
+
+
+def qtp_zip() -> str:
+    """A zip of the qtp package (Python files only) for the executors' ``sys.path``, made once per process."""
+    global _QTP_ZIP
+    if _QTP_ZIP is None:
+        package = Path(__file__).resolve().parents[1]
+        target = Path(tempfile.mkdtemp(prefix="qtp-reconcile-")) / "qtp.zip"
+        with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as archive:
+            for source in sorted(package.rglob("*.py")):
+                archive.write(source, source.relative_to(package.parent))
+        _QTP_ZIP = str(target)
+    return _QTP_ZIP
+
+
+_QTP_ZIP: str | None = None
 
 
 @contextmanager
@@ -189,17 +216,43 @@ def key_type(client: T.DataType, server: T.DataType, client_name: str, server_na
 # ------------------------------------------------------------------------------------------------ the job
 
 
-def _read(spark: SparkSession, probed: ProbedTable, partitions: int, fetchsize: int) -> DataFrame:
+COPIES = "qtp_copies"  # the row count of the server's pushed-down GROUP BY
+# MariaDB materialises a GROUP BY in a derived table as a temporary table (on disk in tmpdir at millions of
+# keys): not faster than Spark's grouping in benchmarks/reconcile.py, and twice a 5M-row run failed when the
+# temporary file vanished. PostgreSQL streams the aggregate.
+PUSHDOWN_DEFAULT = {"postgresql": True, "mysql": False}
+
+
+def _grouped_table(probed: ProbedTable) -> str | None:
+    """The server's ``GROUP BY key`` (row count and each column's MIN) as a subquery for Spark's ``dbtable``.
+
+    None when a column has no MIN in its database (PostgreSQL ``boolean``): Spark then groups the rows.
+    """
+    spec, backend = probed.spec, probed.backend
+    if any(isinstance(probed.types.get(col), sa.Boolean) for col in spec.columns):
+        return None
+    key = quote_table(spec.key, backend)
+    mins = "".join(f", MIN({quote_table(col, backend)}) AS {quote_table(col, backend)}"
+                   for col in dict.fromkeys(spec.columns) if col != spec.key)
+    return (f"(SELECT {key}, COUNT(*) AS {COPIES}{mins} FROM {quote_table(spec.table, backend)} "
+            f"GROUP BY {key}) qtp_grouped")
+
+
+def _read(spark: SparkSession, probed: ProbedTable, partitions: int, fetchsize: int,
+          grouped: str | None = None, where: list[str] | None = None) -> DataFrame:
+    """One side over JDBC: the table (or ``grouped``, the server's GROUP BY), split by key range or hash,
+    or only the rows matching one of the ``where`` clauses (one partition each)."""
     spec = probed.spec
-    wanted = [spec.key, *spec.columns, *([spec.status_column] if spec.status_column else [])]
-    if probed.key_is_integer or partitions < 2:
-        frame = spark.read.format("jdbc").options(**read_options(probed, partitions, fetchsize)).load()
+    wanted = [spec.key, *spec.columns, *([spec.status_column] if spec.status_column else []),
+              *([COPIES] if grouped else [])]
+    url = parse_url(spec.url, "")
+    table = grouped or quote_table(spec.table, probed.backend)
+    if where is None and (probed.key_is_integer or partitions < 2):
+        options = {**read_options(probed, partitions, fetchsize), "dbtable": table}
+        frame = spark.read.format("jdbc").options(**options).load()
     else:
-        url = parse_url(spec.url, "")
-        frame = spark.read.jdbc(
-            jdbc_url(url), quote_table(spec.table, probed.backend),
-            predicates=hash_predicates(probed, partitions), properties=jdbc_properties(url, fetchsize),
-        )
+        frame = spark.read.jdbc(jdbc_url(url), table, predicates=where or hash_predicates(probed, partitions),
+                                properties=jdbc_properties(url, fetchsize))
     return frame.select(*dict.fromkeys(wanted))
 
 
@@ -237,6 +290,9 @@ def _stderr_log(message: str) -> None:
     print(f"[qtp reconcile {datetime.now().strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+MODES = ("auto", "digest", "full")
+
+
 def reconcile(
     client: TableSpec,
     server: TableSpec,
@@ -249,6 +305,9 @@ def reconcile(
     sample_size: int = 10,
     anomalies_parquet: str | None = None,
     anomalies_table: tuple[str, str] | None = None,
+    mode: str = "auto",
+    pushdown: bool | None = None,
+    range_width: int | None = None,
     log: Log | None = _stderr_log,
 ) -> ReconcileResult:
     """Reconcile ``client`` against ``server`` and return the classes, samples and run metadata.
@@ -258,7 +317,15 @@ def reconcile(
     with ``master`` (default ``local[*]``) and ``spark_conf``. ``partitions`` is the number of JDBC reads
     per side (default: twice Spark's parallelism). ``anomalies_parquet`` (a path) and ``anomalies_table``
     (SQLAlchemy URL, table) receive the per-key anomalies, overwriting what is there.
+
+    ``mode``: ``full`` reads every row; ``digest`` has both databases digest ranges of keys and reads only
+    the ranges that differ (see ``_digest``); ``auto`` uses digest mode when the tables allow it. The counts
+    are the same in every mode. ``pushdown`` has the server's database group its rows by key (default: only
+    when the server is PostgreSQL; see ``PUSHDOWN_DEFAULT``).
+    ``range_width`` sets the keys per digest range (integer keys; default ``_digest.ROWS_PER_RANGE``).
     """
+    if mode not in MODES:
+        raise ConfigurationError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
     say = log or (lambda message: None)
     started = time.time()
     pairs, server_pairs = _column_pairs(client, server)
@@ -270,42 +337,129 @@ def reconcile(
     if not probed_c.key_is_unique:
         say(f"warning: client key {client.key!r} has no primary key or unique index; a key the client holds "
             "twice is counted as two messages")
-    if spark is None:
-        spark = spark_session(master, spark_conf, {probed_c.backend, probed_s.backend})
+    column_pairs = [(c, s) for (_, c), (_, s) in zip(pairs, server_pairs)]
+    plan = D.plan(probed_c, probed_s, column_pairs, range_width or 0)
+    if mode == "digest" and plan.reason:
+        raise ConfigurationError(f"digest mode cannot run: {plan.reason}; use --mode full or auto")
+    reason = plan.reason or (_dense(probed_c, probed_s, plan, column_pairs, say) if mode == "auto" else None)
+    used = "full" if mode == "full" or reason else "digest"
+    if mode == "auto" and reason:
+        say(f"auto mode: full, because {reason}")
+
+    timing: dict[str, float] = {}
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(_timed, timing, "jvm_start_s", spark_session, master, spark_conf,
+                             {probed_c.backend, probed_s.backend}) if spark is None else None
+        found = None
+        if used == "digest":
+            say(f"digest mode: {'key ranges of ' + str(plan.width) if plan.width else 'hashed key ranges'}")
+            found = _timed(timing, "digests_s", D.digests, probed_c, probed_s, plan, column_pairs)
+            say(f"{len(found.differing)} of {found.ranges} ranges differ")
+        spark = spark if future is None else future.result()
     parts = partitions or max(2, 2 * spark.sparkContext.defaultParallelism)
+    if pushdown is None:
+        pushdown = PUSHDOWN_DEFAULT[probed_s.backend]
+    grouped = _grouped_table(probed_s) if pushdown else None
     for side, probed in (("client", probed_c), ("server", probed_s)):
         say(f"{side}: {probed.display_url} table {probed.spec.table}, {_split(probed)}, {parts} partitions, "
-            f"fetchsize {fetchsize}")
+            f"fetchsize {fetchsize}{', grouped by key in the database' if side == 'server' and grouped else ''}")
 
-    with spark_errors("reading the tables over JDBC"):
-        client_df = _read(spark, probed_c, parts, fetchsize)
-        server_df = _read(spark, probed_s, parts, fetchsize)
-    client_df, server_df = _aligned(client_df, server_df, client, server, pairs, server_pairs)
-    classified = C.classify(
-        C.client_side(client_df, client.key, pairs, client.status_column),
-        C.server_side(server_df, server.key, server_pairs),
-        names,
-    )
-    if anomalies_parquet or anomalies_table:
-        with spark_errors("writing the anomalies"):
-            _write_anomalies(C.anomalies(classified, names), anomalies_parquet, anomalies_table, say)
-
-    say("classifying every key (one pass over both tables)")
-    with spark_errors("classifying"):
-        groups = C.summarize(classified, names, sample_size).collect()
+    where_c = where_s = None
+    shuffle = None
+    if found is not None:
+        reads = _read_partitions(found, plan, parts)
+        shuffle = None if reads == parts else reads
+        where_c = D.predicates(probed_c, plan, found.differing, reads)
+        where_s = D.predicates(probed_s, plan, found.differing, reads)
+    read_started = time.time()
+    if where_c == []:
+        groups: list = []
+    else:
+        with _shuffle_partitions(spark, shuffle):
+            with spark_errors("reading the tables over JDBC"):
+                client_df = _read(spark, probed_c, parts, fetchsize, where=where_c)
+                server_df = _read(spark, probed_s, parts, fetchsize, grouped=grouped, where=where_s)
+            client_df, server_df = _aligned(client_df, server_df, client, server, pairs, server_pairs)
+            server_rows = (C.server_side_grouped(server_df, server.key, server_pairs, COPIES) if grouped
+                           else C.server_side(server_df, server.key, server_pairs))
+            classified = C.classify(C.client_side(client_df, client.key, pairs, client.status_column), server_rows,
+                                    names)
+            if anomalies_parquet or anomalies_table:
+                with spark_errors("writing the anomalies"):
+                    _write_anomalies(C.anomalies(classified, names), anomalies_parquet, anomalies_table, say)
+            say("classifying every key read (one pass over both tables)")
+            with spark_errors("classifying"):
+                groups = C.summarize(classified, names, sample_size).collect()
+    timing["reads_and_classification_s"] = round(time.time() - read_started, 3)
     result = _result(groups, names, sample_size)
     rows = result.metadata
+    if found is not None:
+        result.counts[C.OK] += found.ok_keys
+        rows["client_rows"] += found.ok_keys
+        rows["server_rows"] += found.ok_server_rows
     result.metadata = {
         "client": _side_meta(probed_c, rows["client_rows"]),
         "server": _side_meta(probed_s, rows["server_rows"]),
         "columns": [{"name": n, "client": c, "server": s} for (n, c), (_, s) in zip(pairs, server_pairs)],
         **_timing(started, time.time()),
+        "mode": {"requested": mode, "used": used, "reason": reason, "pushdown": grouped is not None,
+                 **({"ranges": found.ranges, "ranges_read": len(found.differing), "keys_ok_by_digest": found.ok_keys}
+                    if found is not None else {})},
+        "seconds_split": timing,
         "spark": {"master": spark.sparkContext.master, "version": spark.version, "partitions_per_side": parts,
                   "fetchsize": fetchsize},
         "sample_size": sample_size,
     }
-    say(f"done in {result.metadata['seconds']:.1f}s: {result.verdict}")
+    say(f"done in {result.metadata['seconds']:.1f}s ({used} mode): {result.verdict}")
     return result
+
+
+def _dense(client: ProbedTable, server: ProbedTable, plan: D.Plan, pairs: list[tuple[str, str]],
+           say: Log) -> str | None:
+    """Auto mode: digest a sample of ranges first; when most differ, reading everything is cheaper."""
+    ranges = D.sample(client, server, plan)
+    if not ranges:
+        return None
+    found = D.digests(client, server, plan, pairs, ranges)
+    differing = len([r for r in found.differing if r != D.NULL_RANGE])
+    say(f"auto mode: {differing} of {len(ranges)} sampled ranges differ")
+    if differing > D.DENSE * len(ranges):
+        return f"{differing} of {len(ranges)} sampled key ranges differ (anomalies are dense)"
+    return None
+
+
+ROWS_PER_READ = 250_000  # digest mode: rows per JDBC read partition (and per shuffle partition)
+
+
+def _read_partitions(found: D.Digests, plan: D.Plan, parts: int) -> int:
+    """Fewer JDBC reads (and shuffle partitions) when only a few ranges differ: each task costs more than
+    the rows it would carry. Hashed text-key ranges hold an unknown number of rows: ``parts``."""
+    if not plan.width:
+        return parts
+    return max(1, min(parts, -(-len(found.differing) * plan.width // ROWS_PER_READ)))
+
+
+@contextmanager
+def _shuffle_partitions(spark: SparkSession, count: int | None) -> Iterator[None]:
+    """``spark.sql.shuffle.partitions`` set to ``count`` for the block (unchanged when None)."""
+    if count is None:
+        yield
+        return
+    before = spark.conf.get("spark.sql.shuffle.partitions")
+    spark.conf.set("spark.sql.shuffle.partitions", str(count))
+    try:
+        yield
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", before)
+
+
+def _timed(timing: dict, name: str, fn: Callable, *args):
+    """``fn(*args)``, its duration recorded in ``timing[name]``."""
+    t = time.time()
+    try:
+        return fn(*args)
+    finally:
+        timing[name] = round(time.time() - t, 3)
 
 
 def _split(probed: ProbedTable) -> str:
@@ -360,7 +514,8 @@ def _result(groups: Sequence, names: Sequence[str], sample_size: int) -> Reconci
         if cls == C.IN_DOUBT and copies > 0:
             in_doubt_applied += keys
         if cls in samples:
-            samples[cls].extend(sample.asDict(recursive=True) for sample in row["samples"] if sample is not None)
+            found = row["samples"] or ()  # no samples when the group's keys are NULL
+            samples[cls].extend(sample.asDict(recursive=True) for sample in found if sample is not None)
     for cls, rows in samples.items():
         rows.sort(key=lambda sample: (sample["key"] is None, sample["key"]))
         del rows[sample_size:]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -69,6 +69,7 @@ class ProbedTable:
     key_bounds: Bounds | None  # None when the key is not an integer or the table is empty
     key_is_integer: bool
     key_is_unique: bool = True  # a primary key or unique index on the key column alone
+    types: dict[str, sa.types.TypeEngine] = field(default_factory=dict)  # reflected type of every column
 
 
 def backend_of(url: URL) -> str:
@@ -150,6 +151,7 @@ def probe(spec: TableSpec, side: str) -> ProbedTable:
             key_col = table.c[spec.key]
             key_is_integer = _is_integer_type(key_col.type)
             key_is_unique = _is_unique(table, spec.key)
+            types = {col.name: col.type for col in table.c}
             bounds = None
             if key_is_integer:
                 lo, hi = conn.execute(sa.select(sa.func.min(key_col), sa.func.max(key_col))).one()
@@ -162,7 +164,12 @@ def probe(spec: TableSpec, side: str) -> ProbedTable:
     finally:
         engine.dispose()
     return ProbedTable(spec=spec, backend=backend, display_url=shown, key_bounds=bounds,
-                       key_is_integer=key_is_integer, key_is_unique=key_is_unique)
+                       key_is_integer=key_is_integer, key_is_unique=key_is_unique, types=types)
+
+
+def connect(spec: TableSpec) -> sa.Engine:
+    """A SQLAlchemy engine (no pool) for ``spec``'s database, with the drivers qtp installs."""
+    return sa.create_engine(_with_installed_driver(make_url(spec.url)), poolclass=sa.pool.NullPool)
 
 
 def _is_unique(table: sa.Table, column: str) -> bool:

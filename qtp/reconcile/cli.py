@@ -71,6 +71,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="parallel JDBC reads per table (default twice Spark's parallelism)")
     run_.add_argument("--fetchsize", type=int, default=10_000, metavar="N",
                       help="rows per JDBC round trip (cursor on PostgreSQL, streaming on MariaDB; default 10000)")
+    run_.add_argument("--mode", choices=("auto", "digest", "full"), default="auto",
+                      help="digest: the databases digest ranges of keys and only differing ranges are read; "
+                           "full: read every row; auto (default): digest when the column types allow it")
+    push = run_.add_mutually_exclusive_group()
+    push.add_argument("--pushdown", action="store_true", default=None,
+                      help="group the server's rows by key in its database (default for a PostgreSQL server)")
+    push.add_argument("--no-pushdown", dest="pushdown", action="store_false",
+                      help="group the server's rows by key in Spark (default for a MariaDB/MySQL server)")
     run_.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -110,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     result = reconcile(
         client, server, master=args.master, spark_conf=_conf(args.conf), partitions=args.partitions,
         fetchsize=args.fetchsize, sample_size=args.samples, anomalies_parquet=args.anomalies_parquet,
-        anomalies_table=anomalies_table, log=None if args.quiet else _stderr_log,
+        anomalies_table=anomalies_table, mode=args.mode, pushdown=args.pushdown,
+        log=None if args.quiet else _stderr_log,
     )
     print(summary_table(result))
     if args.json:
