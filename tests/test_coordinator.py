@@ -74,6 +74,15 @@ def sent(manager, name: str) -> dict[str, int]:
     return {k: v for k, v in manager.resource(name).counters().items() if not k.startswith("recover")}
 
 
+def two_branches(tm, pg_db, second=None, last_resource: bool = False):
+    """Accounts in database ``a`` (PostgreSQL) and ``b`` (``second``, PostgreSQL by default), registered on
+    ``tm``; ``last_resource``: prefer ``b`` as the Logging Last Resource."""
+    a, b = make_accounts(pg_db("a")), make_accounts((second or pg_db)("b"))
+    tm.add_resource("a", a.url)
+    tm.add_resource("b", b.url, last_resource=last_resource)
+    return a, b
+
+
 def transfer(tx, amount: int) -> None:
     tx.connection("a").execute(text("UPDATE accounts SET balance = balance - :x WHERE id = 1"), {"x": amount})
     tx.connection("b").execute(text("UPDATE accounts SET balance = balance + :x WHERE id = 1"), {"x": amount})

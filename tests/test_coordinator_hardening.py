@@ -37,7 +37,7 @@ from qtp.errors import (
 from qtp.recovery import read_quarantine
 from qtp.xa import Xid, resource_for
 
-from test_coordinator import BALANCE, balances, make_accounts, prepared_left, transfer
+from test_coordinator import BALANCE, balances, make_accounts, prepared_left, transfer, two_branches
 
 
 @pytest.fixture
@@ -49,13 +49,6 @@ def tm(tmp_path):
     qtp.install(None)
     failpoints.configure(None)
     manager.close()
-
-
-def two_branches(tm, pg_db, second=None):
-    a, b = make_accounts(pg_db("a")), make_accounts((second or pg_db)("b"))
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url)
-    return a, b
 
 
 # ---------------------------------------------------------------------- a. the lost log

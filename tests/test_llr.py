@@ -17,7 +17,9 @@ from qtp.errors import ConfigurationError, OutcomeUnknownError, ResourceUnavaila
 from qtp.xa import MemoryResource
 from qtp.xa._sql import DECISION_TABLE
 
-from test_coordinator import BALANCE, balances, make_accounts, prepared_left, sent, transfer
+from test_coordinator import (  # noqa: F401 - pair is a fixture
+    BALANCE, balances, make_accounts, pair, prepared_left, sent, transfer, two_branches,
+)
 
 
 @pytest.fixture
@@ -25,13 +27,6 @@ def tm(tmp_path):
     manager = qtp.TransactionManager(node_id="llr-node", log_dir=tmp_path / "logs", recovery_interval=None)
     yield manager
     manager.close()
-
-
-@pytest.fixture(params=["pg+pg", "pg+mariadb", "mariadb+mariadb"])
-def pair(request, pg_db, maria_db):
-    left, right = request.param.split("+")
-    make = {"pg": pg_db, "mariadb": maria_db}
-    return make_accounts(make[left]("a")), make_accounts(make[right]("b"))
 
 
 def decision_rows(engine: sqlalchemy.Engine) -> list[str]:
@@ -101,9 +96,7 @@ def test_memory_branches_only_use_the_file_log(tm):
 
 
 def test_a_no_vote_rolls_back_every_branch_the_last_included(tm, pg_db):
-    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url, last_resource=True)
+    a, b = two_branches(tm, pg_db, last_resource=True)
     with pytest.raises(RollbackError, match="voted no"):
         with tm.transaction() as tx:
             transfer(tx, 10)
@@ -135,9 +128,8 @@ def test_the_last_commit_refused_rolls_back_the_prepared_branches(tm, pg_db):
 def test_a_connection_lost_during_the_last_commit_is_unknown_until_recovery(tm, pg_db, landed):
     """The connection to the last resource breaks during its COMMIT: qtp cannot know, and says so. Recovery
     then finds the decision row (the COMMIT landed: commit the prepared branch) or not (presumed abort)."""
-    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
-    tm.add_resource("a", a.url)
-    last = tm.add_resource("b", b.url, last_resource=True)
+    a, b = two_branches(tm, pg_db, last_resource=True)
+    last = tm.resource("b")
     real = last._xa_commit_one_phase
 
     def commit_then_lose_reply(raw, xid):
@@ -167,9 +159,8 @@ def test_a_connection_lost_during_the_last_commit_is_unknown_until_recovery(tm, 
 
 
 def test_phase_two_failure_after_the_decision_is_committed_pending(tm, pg_db):
-    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
-    prepared = tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url, last_resource=True)
+    a, b = two_branches(tm, pg_db, last_resource=True)
+    prepared = tm.resource("a")
     real, calls = prepared._xa_commit, []
 
     def fail_once(raw, xid):
@@ -191,9 +182,8 @@ def test_phase_two_failure_after_the_decision_is_committed_pending(tm, pg_db):
 def test_recovery_never_presumes_abort_while_a_decision_table_is_unreadable(tm, pg_db):
     """A prepared branch with no decision in the file log: its decision may be a row in a database that is
     down. Recovery leaves it in doubt and says why; once the database is back it decides."""
-    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
-    tm.add_resource("a", a.url)
-    last = tm.add_resource("b", b.url, last_resource=True)
+    a, b = two_branches(tm, pg_db, last_resource=True)
+    last = tm.resource("b")
     last._xa_commit_one_phase = lambda raw, xid: (_ for _ in ()).throw(ResourceUnavailableError("injected"))
     with pytest.raises(OutcomeUnknownError):
         with tm.transaction() as tx:
@@ -247,9 +237,8 @@ def test_configuration_names_the_last_resource(tmp_path, pg_db, maria_db):
 
 def test_an_interrupt_during_the_last_commit_is_unknown_and_recovery_finds_the_row(tm, pg_db):
     """Ctrl-C while the last COMMIT is on its way (here: it landed): never rolled back, never guessed."""
-    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
-    tm.add_resource("a", a.url)
-    last = tm.add_resource("b", b.url, last_resource=True)
+    a, b = two_branches(tm, pg_db, last_resource=True)
+    last = tm.resource("b")
     real = last._xa_commit_one_phase
 
     def commit_then_interrupt(raw, xid):

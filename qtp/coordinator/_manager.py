@@ -335,7 +335,7 @@ class TransactionManager:
 
     # ------------------------------------------------------------------ phase-2 retries
 
-    def retry_phase_two(self, gtrid: str, branches: list[Branch], end: Callable[[], None] | None = None,
+    def retry_phase_two(self, gtrid: str, branches: list[Branch], end: Callable[[], None],
                         durable_first: bool = True) -> None:
         """Keep committing ``branches`` of a decided transaction in the background. The transaction stays
         in flight (recovery leaves it alone) until the retries end; what they cannot finish, recovery does.
@@ -345,8 +345,7 @@ class TransactionManager:
         no branch is committed: each is left prepared for the recovery that reads the log after a restart.
         ``end`` forgets the decision once every branch committed."""
         with self._in_flight_lock:
-            future = self._retry_pool.submit(self._retry, gtrid, branches, end or (lambda: self.log.log_end(gtrid)),
-                                             durable_first)
+            future = self._retry_pool.submit(self._retry, gtrid, branches, end, durable_first)
             self._retry_futures.add(future)
         future.add_done_callback(self._retry_futures.discard)
 

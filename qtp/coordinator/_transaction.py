@@ -129,9 +129,9 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 }
 del S, E
 
-FINAL = frozenset({State.COMMITTED, State.COMMITTED_PENDING, State.ROLLED_BACK, State.IN_DOUBT})
 _OUTCOMES = {State.COMMITTED: Outcome.COMMITTED, State.COMMITTED_PENDING: Outcome.COMMITTED_PENDING,
              State.ROLLED_BACK: Outcome.ROLLED_BACK, State.IN_DOUBT: Outcome.UNKNOWN}
+FINAL = frozenset(_OUTCOMES)  # the states with an outcome
 
 
 @dataclass(frozen=True)
@@ -322,7 +322,7 @@ class Transaction:
             return
         last = self.manager.last_resource_of(branches)
         if last is not None:
-            self._commit_last_resource(branches, last)
+            self._commit_last_resource(self._phase_one(branches, last), last)
             return
         prepared = self._phase_one(branches)
         if len(prepared) <= 1:
@@ -362,9 +362,8 @@ class Transaction:
         if not decisions.failed and self.xid in decisions.open:
             self._hand_to_retry(self.branches, Event.PENDING, cause)
             return
-        for branch in self.branches:
-            branch.resource.detach(branch.xid)
-        self._give_up_knowing(cause, "its commit decision was appended to the log but could not be made durable")
+        self._give_up_knowing(cause, "its commit decision was appended to the log but could not be made durable",
+                              leave=self.branches)
 
     def _hand_to_retry(self, branches: list[Branch], event: Event, cause: BaseException) -> None:
         self.pending = [b.name for b in branches]
@@ -394,58 +393,44 @@ class Transaction:
                 branch.resource.commit(branch.xid, one_phase=True)
                 failpoint("after_one_phase_commit")
             except ResourceUnavailableError as exc:  # the COMMIT may have landed before the connection broke
-                branch.resource.detach(branch.xid)
                 self._give_up_knowing(exc, f"the connection to {branch.name} broke during its one-phase commit, "
-                                           "so the database alone knows whether it committed")
+                                           "so the database alone knows whether it committed", leave=branches)
             except ResourceError as exc:  # the database answered: it did not commit
                 self._abort(exc, "the one-phase commit failed")
             except BaseException as exc:  # cut while the COMMIT may have been on its way or done: unknown
-                branch.resource.detach(branch.xid)
                 self._give_up_knowing(exc, f"the one-phase commit of {branch.name} was interrupted, so the "
-                                           "database alone knows whether it committed")
+                                           "database alone knows whether it committed", leave=branches)
         self._fire(Event.COMMITTED)
 
-    def _phase_one(self, branches: list[Branch]) -> list[Branch]:
+    def _phase_one(self, branches: list[Branch], last: Branch | None = None) -> list[Branch]:
+        """Ask every branch for its vote, all at once; return the prepared ones. With a ``last`` resource
+        (LLR), that branch is not asked: its decision row is written instead, alongside the others' prepares
+        (rolled back with the branch if need be), and it is not among those returned."""
         failpoint("before_prepare")
-
-        def prepare(index: int, branch: Branch) -> Vote:
-            vote = branch.resource.prepare(branch.xid)
-            failpoint(f"after_prepare_{index}")
-            return vote
-
-        self.manager.log.voting(+1)
-        try:
-            results = self.manager.fan_out(prepare, branches)
-        finally:
-            self.manager.log.voting(-1)
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-        if failure is not None:
-            self._abort(failure, "a branch voted no")
-        return [b for b, vote in zip(branches, results) if vote is Vote.YES]
-
-    def _commit_last_resource(self, branches: list[Branch], last: Branch) -> None:
-        """Logging Last Resource (see the module docstring): the last branch's one-phase COMMIT, carrying
-        the decision row, is the decision."""
         others = [b for b in branches if b is not last]
-        failpoint("before_prepare")
 
-        def vote(index: int, branch: Branch) -> Vote:
-            if branch is last:  # pipelined with the others' prepares: rolled back with the branch if need be
+        def vote(index: int, branch: Branch) -> Vote | None:
+            if branch is last:
                 last.resource.write_decision(last.xid, self.xid, [b.name for b in others])
-                return Vote.YES
+                return None
             result = branch.resource.prepare(branch.xid)
             failpoint(f"after_prepare_{index}")
             return result
 
+        asked = others if last is None else [*others, last]
         self.manager.log.voting(+1)
         try:
-            results = self.manager.fan_out(vote, [*others, last])
+            results = self.manager.fan_out(vote, asked)
         finally:
             self.manager.log.voting(-1)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             self._abort(failure, "a branch voted no")
-        prepared = [b for b, result in zip(others, results) if result is Vote.YES]
+        return [b for b, result in zip(asked, results) if result is Vote.YES]
+
+    def _commit_last_resource(self, prepared: list[Branch], last: Branch) -> None:
+        """Logging Last Resource (see the module docstring): the last branch's one-phase COMMIT, carrying
+        the decision row, is the decision; ``prepared`` are the other branches that voted yes."""
         self._fire(Event.DECIDE)
         failpoint("llr_before_last_commit")
         self._last_commit_sent = last  # from here an interrupt cannot know whether the COMMIT landed
@@ -463,10 +448,9 @@ class Transaction:
         self._phase_two(prepared)
 
     def _leave_to_recovery(self, prepared: list[Branch], last: Branch, cause: BaseException, what: str) -> None:
-        for branch in (*prepared, last):
-            branch.resource.detach(branch.xid)
         self._give_up_knowing(cause, f"the last resource {last.name} holds the decision and {what}, so only "
-                                     "its decision table can tell whether the transaction committed")
+                                     "its decision table can tell whether the transaction committed",
+                              leave=[*prepared, last])
 
     def _end(self) -> None:
         """Every branch committed: the decision can be forgotten (END record, or the LLR row in a batch)."""
@@ -483,18 +467,17 @@ class Transaction:
         resource whose commits are not safe without a logged decision (MariaDB with the binary log) gets the
         decision logged first, like any two-phase commit.
         """
-        if not all(b.resource.one_phase_safe for b in prepared):
-            self._decide(prepared)
-            self._phase_two(prepared)
-            return
-        try:
-            for branch in prepared:
-                branch.resource.commit(branch.xid)
-        except BaseException:
-            self._decide(prepared)
-            self._phase_two(prepared)
-            return
-        self._fire(Event.COMMITTED)
+        if all(b.resource.one_phase_safe for b in prepared):
+            try:
+                for branch in prepared:
+                    branch.resource.commit(branch.xid)
+            except BaseException:
+                pass  # still decided "commit": logged below, and finished like any pending phase 2
+            else:
+                self._fire(Event.COMMITTED)
+                return
+        self._decide(prepared)
+        self._phase_two(prepared)
 
     def _decide(self, prepared: list[Branch]) -> None:
         self._fire(Event.DECIDE)  # an interrupt from here on asks the log whether the record was appended
@@ -503,13 +486,15 @@ class Transaction:
         except LogError as exc:
             # The record may or may not be on disk: rolling back could contradict it. Leave every branch
             # prepared; recovery after a restart reads the log and ends them all the same way.
-            for branch in prepared:
-                branch.resource.detach(branch.xid)
-            self._give_up_knowing(exc, "the commit decision could not be logged")
+            self._give_up_knowing(exc, "the commit decision could not be logged", leave=prepared)
         self._fire(Event.DECIDED)
         failpoint("after_decision_forced")
 
-    def _give_up_knowing(self, cause: BaseException, why: str) -> None:
+    def _give_up_knowing(self, cause: BaseException, why: str, leave: list[Branch]) -> None:
+        """The outcome is unknown: let go of ``leave`` (their connections dropped: an active branch dies with
+        it, a prepared one waits for recovery) and raise OutcomeUnknownError, or re-raise an interrupt."""
+        for branch in leave:
+            branch.resource.detach(branch.xid)
         self._fire(Event.UNKNOWN)
         log.critical("transaction %s: outcome unknown: %s (%r); recovery will resolve it", self.xid, why, cause)
         if not isinstance(cause, Exception):

@@ -25,6 +25,11 @@ _XA_RB_CODES = {1402, 1613, 1614}  # XA_RBROLLBACK, XA_RBTIMEOUT, XA_RBDEADLOCK:
 _MIN_MARIADB = (10, 5)
 
 
+def _code(exc: BaseException) -> int | None:
+    """The server or client error number of a pymysql error (None for anything else)."""
+    return exc.args[0] if isinstance(exc, pymysql.err.MySQLError) and exc.args else None
+
+
 def _execute(raw: Any, sql: str) -> list[tuple]:
     with raw.cursor() as cur:
         cur.execute(sql)
@@ -58,18 +63,18 @@ class MySQLResource(SqlResource):
         which also carries deadlocks and lock wait timeouts."""
         if isinstance(exc, pymysql.err.InterfaceError):
             return True
-        return isinstance(exc, pymysql.err.OperationalError) and bool(exc.args) and exc.args[0] in _DISCONNECT_CODES
+        return isinstance(exc, pymysql.err.OperationalError) and _code(exc) in _DISCONNECT_CODES
 
     def _is_missing_table(self, exc: BaseException) -> bool:
-        return isinstance(exc, pymysql.err.MySQLError) and bool(exc.args) and exc.args[0] == 1146  # no such table
+        return _code(exc) == 1146  # no such table
 
     def _is_conflict(self, exc: BaseException) -> bool:
-        code = exc.args[0] if isinstance(exc, pymysql.err.MySQLError) and exc.args else None
+        code = _code(exc)
         return code == _DEADLOCK or code in _XA_RB_CODES
 
     def _translate(self, exc: Exception, action: str, xid: Xid | None) -> QtpError:
         original = getattr(exc, "orig", None) or exc
-        code = original.args[0] if isinstance(original, pymysql.err.MySQLError) and original.args else None
+        code = _code(original)
         if action == "prepare" and code is not None and not self._is_disconnect(original) \
                 and not self._is_conflict(original):
             return PrepareRefusedError(
