@@ -202,8 +202,13 @@ def run(args: argparse.Namespace) -> int:
             node.stop()
         for proxy in proxies:
             proxy.stop()
-    requests_report = _reconcile(c, pair, "applied", pair.server_app, "requests")
-    replies_report = _reconcile(c, pair, "replies", pair.client_app, "replies") if args.reply else None
+    try:
+        requests_report = _reconcile(c, pair, "applied", pair.server_app, "requests")
+        replies_report = _reconcile(c, pair, "replies", pair.client_app, "replies") if args.reply else None
+    finally:
+        if args.stop_databases:
+            pg.stop()
+            maria.stop()
     return summarise(c, drained, requests_report, replies_report)
 
 
@@ -243,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain-s", type=float, default=600.0, help="bound on the final wait")
     parser.add_argument("--quiet-s", type=float, default=30.0, help="nothing moved this long: stop waiting")
     parser.add_argument("--root", default=".qtp/campaign-db", help="folder of the campaign's own database servers")
+    parser.add_argument("--stop-databases", action="store_true",
+                        help="stop the campaign's database servers at the end (default: left running to inspect)")
     parser.add_argument("--out", default=None, help="results folder (default .qtp/campaign/<mode>_<seed>_<time>)")
     return run(parser.parse_args(argv))
 

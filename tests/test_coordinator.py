@@ -77,7 +77,11 @@ def sent(manager, name: str) -> dict[str, int]:
 def two_branches(tm, pg_db, second=None, last_resource: bool = False):
     """Accounts in database ``a`` (PostgreSQL) and ``b`` (``second``, PostgreSQL by default), registered on
     ``tm``; ``last_resource``: prefer ``b`` as the Logging Last Resource."""
-    a, b = make_accounts(pg_db("a")), make_accounts((second or pg_db)("b"))
+    return enlist(tm, make_accounts(pg_db("a")), make_accounts((second or pg_db)("b")), last_resource)
+
+
+def enlist(tm, a, b, last_resource: bool = False):
+    """Register the account databases ``a`` and ``b`` on ``tm`` as resources "a" and "b"; returns them."""
     tm.add_resource("a", a.url)
     tm.add_resource("b", b.url, last_resource=last_resource)
     return a, b
@@ -89,9 +93,7 @@ def transfer(tx, amount: int) -> None:
 
 
 def test_transfer_commits_on_both_databases(tm, pair):
-    a, b = pair
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url)
+    a, b = enlist(tm, *pair)
     with qtp.transaction() as tx:
         transfer(tx, 10)
     assert tx.outcome is Outcome.COMMITTED
@@ -106,9 +108,7 @@ def test_transfer_commits_on_both_databases(tm, pair):
 
 
 def test_exception_rolls_back_both_databases(tm, pair):
-    a, b = pair
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url)
+    a, b = enlist(tm, *pair)
     with pytest.raises(ZeroDivisionError):
         with qtp.transaction() as tx:
             transfer(tx, 10)
@@ -122,9 +122,7 @@ def test_exception_rolls_back_both_databases(tm, pair):
 def test_no_vote_rolls_back_every_branch(tm, pair):
     """A branch that fails at prepare (here: a deferred constraint on PostgreSQL, a deadlock-free duplicate on
     MariaDB is checked at statement time, so a memory branch votes no instead) rolls back the others."""
-    a, b = pair
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url)
+    a, b = enlist(tm, *pair)
     mem = tm.add_resource("m", MemoryResource("m", tm.node_id))
     mem.inject("prepare", RuntimeError("disk full"))
     with pytest.raises(RollbackError, match="a branch voted no: disk full"):
@@ -137,9 +135,7 @@ def test_no_vote_rolls_back_every_branch(tm, pair):
 
 
 def test_one_phase_commit_when_only_one_branch_wrote(tm, pg_db, maria_db):
-    a, b = make_accounts(pg_db("a")), make_accounts(maria_db("b"))
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url)
+    a, b = two_branches(tm, pg_db, maria_db)
     with qtp.transaction() as tx:
         tx.connection("b")  # enlisted, did nothing
         tx.connection("a").execute(text("UPDATE accounts SET balance = 1 WHERE id = 1"))
@@ -303,9 +299,7 @@ def test_database_with_prepared_transactions_disabled(tm, tmp_path, pg_db):
 
 
 def test_temporary_tables_cannot_be_prepared(tm, pg_db):
-    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url)
+    a, b = two_branches(tm, pg_db)
     with pytest.raises(RollbackError, match="temporary tables") as caught:
         with qtp.transaction() as tx:
             transfer(tx, 10)
@@ -411,9 +405,7 @@ def test_work_on_the_raw_dbapi_connection_is_not_mistaken_for_idle(tm, pg_db, ma
     """Work done on the DBAPI connection is invisible to SQLAlchemy: PostgreSQL's libpq still knows the branch
     began; for MariaDB, reaching for the DBAPI connection marks the branch as written."""
     make = pg_db if flavour == "pg" else maria_db
-    a, b = make_accounts(make("a")), make_accounts(pg_db("b"))
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url)
+    a, b = enlist(tm, make_accounts(make("a")), make_accounts(pg_db("b")))
     with qtp.transaction() as tx:
         raw = tx.connection("a").connection.dbapi_connection
         cur = raw.cursor()
@@ -435,9 +427,7 @@ def test_an_error_inside_the_commit_path_settles_the_transaction(tm, pg_db, mari
     is rolled back, after it every branch ends committed (by the background retry), locks released."""
     from qtp.coordinator import failpoints
 
-    a, b = make_accounts(pg_db("a")), make_accounts(maria_db("b"))
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url)
+    a, b = two_branches(tm, pg_db, maria_db)
     failpoints.configure(f"{point}=error")
     try:
         with pytest.raises((failpoints.FailpointError, RollbackError)):
@@ -459,9 +449,7 @@ def test_an_error_inside_the_commit_path_settles_the_transaction(tm, pg_db, mari
 def test_a_postgresql_branch_whose_statement_failed_cannot_commit(tm, pg_db, branches):
     """PostgreSQL answers PREPARE (or COMMIT) of an aborted transaction with a silent ROLLBACK; qtp must
     roll back every branch instead of reporting a commit."""
-    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url)
+    a, b = two_branches(tm, pg_db)
     with pytest.raises(RollbackError, match="failed state"):
         with qtp.transaction() as tx:
             if branches == 2:
@@ -540,9 +528,7 @@ def test_timeout_must_be_a_positive_number(tmp_path, timeout):
 def test_a_thread_keeps_its_connection_from_one_transaction_to_the_next(tm, pg_db, maria_db):
     """Each thread's branches reuse one pooled connection per database (no checkout, no check-in, no
     needless ROLLBACK), while a connection object kept from an ended transaction still refuses any use."""
-    a, b = make_accounts(pg_db("a")), make_accounts(maria_db("b"))
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url)
+    a, b = two_branches(tm, pg_db, maria_db)
     kept = []
     for amount in range(1, 6):
         with qtp.transaction() as tx:

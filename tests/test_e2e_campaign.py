@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres
+
 CAMPAIGN = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e_campaign.py"
 
 
@@ -16,7 +18,7 @@ def test_small_xa_campaign_is_exactly_once(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, str(CAMPAIGN), "--mode", "xa", "--messages", "300", "--kills", "15",
                            "--loss", "0.1", "--seed", "11", "--root", str(tmp_path / "db"), "--out", str(out),
-                           "--drain-s", "300"], capture_output=True, text=True, timeout=1500)
+                           "--drain-s", "300", "--stop-databases"], capture_output=True, text=True, timeout=1500)
     assert done.stdout.strip().splitlines()[-1] == "exactly-once", done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode == 0
     result = json.loads((out / "result.json").read_text())
@@ -27,3 +29,6 @@ def test_small_xa_campaign_is_exactly_once(tmp_path):
     assert all(requests_[c] == 0 for c in ("lost", "duplicated", "unexpected", "applied_but_aborted"))
     kills = json.loads((out / "kills.json").read_text())
     assert len(kills) == 15
+    # the campaign's own servers are stopped, not left behind for the rest of the suite
+    assert not EmbeddedPostgres(tmp_path / "db" / "pg").running()
+    assert not EmbeddedMariaDB(tmp_path / "db" / "mariadb").running()

@@ -18,7 +18,7 @@ from qtp.xa import MemoryResource
 from qtp.xa._sql import DECISION_TABLE
 
 from test_coordinator import (  # noqa: F401 - pair is a fixture
-    BALANCE, balances, make_accounts, pair, prepared_left, sent, transfer, two_branches,
+    BALANCE, balances, enlist, pair, prepared_left, sent, transfer, two_branches,
 )
 
 
@@ -48,9 +48,7 @@ def restart(tm, *engines, names=("a", "b")):
 
 
 def test_the_last_branch_commits_the_decision_and_the_log_is_not_forced(tm, pair):
-    a, b = pair
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url)
+    a, b = enlist(tm, *pair)
     with tm.transaction() as tx:
         transfer(tx, 10)
         tx.connection("b").execute(text("UPDATE accounts SET balance = balance WHERE id = 2"))  # b is busier
@@ -68,9 +66,7 @@ def test_the_last_branch_commits_the_decision_and_the_log_is_not_forced(tm, pair
 
 def test_which_branch_is_last(tm, pg_db, maria_db):
     """The configured preference wins; otherwise the branch that ran most statements; memory never."""
-    a, b = make_accounts(pg_db("a")), make_accounts(maria_db("b"))
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url, last_resource=True)
+    a, b = two_branches(tm, pg_db, maria_db, last_resource=True)
     tm.add_resource("m", MemoryResource("m", "llr-node"))
     with tm.transaction() as tx:
         for _ in range(3):
@@ -109,12 +105,10 @@ def test_a_no_vote_rolls_back_every_branch_the_last_included(tm, pg_db):
 def test_the_last_commit_refused_rolls_back_the_prepared_branches(tm, pg_db):
     """A deferred constraint fails at the last branch's COMMIT: the database answered, nothing committed
     there, so the prepared branch is rolled back."""
-    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
+    a, b = two_branches(tm, pg_db, last_resource=True)
     with b.begin() as conn:
         conn.execute(text("CREATE TABLE uniq (k int, CONSTRAINT u UNIQUE (k) DEFERRABLE INITIALLY DEFERRED)"))
         conn.execute(text("INSERT INTO uniq VALUES (1)"))
-    tm.add_resource("a", a.url)
-    tm.add_resource("b", b.url, last_resource=True)
     with pytest.raises(RollbackError, match="refused to commit"):
         with tm.transaction() as tx:
             transfer(tx, 10)
@@ -207,11 +201,9 @@ def test_recovery_never_presumes_abort_while_a_decision_table_is_unreadable(tm, 
 
 
 def test_llr_can_be_turned_off(tmp_path, pg_db):
-    a, b = make_accounts(pg_db("a")), make_accounts(pg_db("b"))
     manager = qtp.TransactionManager("llr-off", tmp_path, recovery_interval=None, llr=False)
     try:
-        manager.add_resource("a", a.url)
-        manager.add_resource("b", b.url)
+        a, b = two_branches(manager, pg_db)
         with manager.transaction() as tx:
             transfer(tx, 1)
         assert manager.log.forced_records == 1 and sent(manager, "b")["prepare"] == 1

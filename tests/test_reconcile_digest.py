@@ -8,7 +8,7 @@ import sqlalchemy as sa
 from reconcile_support import run_sql, spark  # noqa: F401  (session fixture)
 from test_reconcile_integration import anomalous_tables  # noqa: F401  (fixture)
 
-from qtp.errors import ConfigurationError
+from qtp.errors import ConfigurationError, ReconcileError
 from qtp.reconcile import TableSpec, reconcile
 from qtp.reconcile import _digest as D
 from qtp.reconcile._sources import probe
@@ -194,3 +194,80 @@ def test_auto_reads_everything_when_a_sample_of_ranges_shows_dense_anomalies(pg_
     digest = reconcile(client, server, spark=spark, mode="digest", range_width=10, log=None)
     assert auto.counts == digest.counts and digest.counts["mismatched"] == 80 and digest.counts["ok"] == 320
     assert digest.metadata["mode"]["ranges_read"] == 40
+
+
+def _probed(client_url: str, server_url: str, columns: tuple[str, ...]):
+    """Tables ``c`` and ``s`` keyed by ``k``, probed."""
+    return (probe(TableSpec(client_url, "c", "k", columns), "client"),
+            probe(TableSpec(server_url, "s", "k", columns), "server"))
+
+
+def test_text_keys_that_only_a_collation_calls_equal_are_ordered_alike_on_both_servers(pg_db, maria_db, spark,
+                                                                                       monkeypatch):
+    # MariaDB's default collation calls 'a', 'A', 'a ' and 'ä' equal; a range digest built in that order would
+    # differ from PostgreSQL's on equal data. Rows go in in opposite orders, so that no order survives by luck.
+    client_url, server_url = pg_db("client"), maria_db("server")
+    keys = sorted(["a", "A", "a ", "ä", "b", "B", "é", "E", "e", "z", "Z ", "ß", "ss", "SS"])
+    rows = [{"k": k, "v": i} for i, k in enumerate(keys)]
+    with sa.create_engine(client_url).begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE c (k text PRIMARY KEY, v int)")
+        conn.execute(sa.text("INSERT INTO c VALUES (:k, :v)"), rows)
+    with sa.create_engine(server_url).begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE s (k varchar(8) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci, v int)")
+        conn.execute(sa.text("INSERT INTO s VALUES (:k, :v)"), rows[::-1])
+    client, server = _probed(client_url, server_url, ("v",))
+    plan = D.plan(client, server, [("v", "v")])
+    monkeypatch.setattr(D, "range_of", lambda probed, p: "0")  # every key in one range: one ordered digest
+    c_side, s_side = D.fetch(client, plan, ["v"], 0), D.fetch(server, plan, ["v"], 1)
+    assert c_side[0][:2] == s_side[0][:2] == (len(keys), len(keys))
+    assert c_side[0][2] == s_side[0][2]
+    monkeypatch.undo()
+    digest = reconcile(TableSpec(client_url, "c", "k", ("v",)), TableSpec(server_url, "s", "k"), spark=spark,
+                       mode="digest", log=None)
+    assert digest.metadata["mode"]["ranges_read"] == 0 and digest.counts["ok"] == len(keys)
+
+
+def test_decimals_without_a_declared_scale_are_compared_without_trailing_zeros(pg_db, maria_db):
+    client_url, server_url = pg_db("client"), maria_db("server")
+    run_sql(client_url, "CREATE TABLE c (k int PRIMARY KEY, d numeric, n int)",
+            "INSERT INTO c VALUES (1, 1.5, 7), (2, 2.000, 8), (3, 0.10, 9), (4, 5, 10)")
+    run_sql(server_url, "CREATE TABLE s (k int, d decimal(12,3), n decimal(6,2))",
+            "INSERT INTO s VALUES (1, 1.500, 7.00), (2, 2, 8), (3, 0.1, 9.00), (4, 5.001, 10)")
+    client, server = _probed(client_url, server_url, ("d", "n"))
+    plan = D.plan(client, server, [("d", "d"), ("n", "n")], width=1)
+    assert plan.scales == (None, None, 2)  # d: PostgreSQL's numeric declares no scale; n: int 0, decimal 2
+    found = D.compare(D.fetch(client, plan, ["d", "n"], 0), D.fetch(server, plan, ["d", "n"], 1))
+    assert [plan.lower + r for r in found.differing] == [4]
+
+
+def test_a_range_longer_than_mariadbs_group_concat_limit_is_an_error_not_a_partial_digest(pg_db, maria_db,
+                                                                                          monkeypatch):
+    server_url = maria_db("server")
+    run_sql(server_url, "CREATE TABLE s (k int PRIMARY KEY, t varchar(40))",
+            "INSERT INTO s SELECT seq, REPEAT('x', 30) FROM seq_1_to_50")
+    client_url = pg_db("client")
+    run_sql(client_url, "CREATE TABLE c (k int PRIMARY KEY, t text)",
+            "INSERT INTO c SELECT g, repeat('x', 30) FROM generate_series(1, 50) g")
+    client, server = _probed(client_url, server_url, ("t",))
+    plan = D.plan(client, server, [("t", "t")], width=100)
+    assert D.fetch(server, plan, ["t"], 1)[0][2] == D.fetch(client, plan, ["t"], 0)[0][2]
+    monkeypatch.setattr(D, "GROUP_CONCAT_MAX", 1000)  # 50 rows of ~36 bytes do not fit
+    with pytest.raises(ReconcileError, match="group_concat_max_len"):
+        D.fetch(server, plan, ["t"], 1)
+
+
+def test_split_digest_queries_cover_every_range_once(pg_db, maria_db):
+    client_url, server_url = pg_db("client"), maria_db("server")
+    run_sql(client_url, "CREATE TABLE c (k int UNIQUE, v int)",
+            "INSERT INTO c SELECT g, g FROM generate_series(1, 1000) g", "INSERT INTO c VALUES (NULL, 0)")
+    run_sql(server_url, "CREATE TABLE s (k int, v int)", "INSERT INTO s SELECT seq, seq FROM seq_1_to_1000")
+    client, server = _probed(client_url, server_url, ("v",))
+    plan = D.plan(client, server, [("v", "v")], width=7)
+    whole = D.fetch(client, plan, ["v"], 0)
+    for count in (2, 3, 5):
+        parts = [D.fetch(client, plan, ["v"], 0, where=w) for w in D.chunks(client, plan, count)]
+        assert len(parts) == count
+        assert sorted(r for part in parts for r in part) == sorted(whole)  # no range twice, none missing
+        assert {r: v for part in parts for r, v in part.items()} == whole
+    found = D.digests(client, server, plan, [("v", "v")])
+    assert found.differing == [D.NULL_RANGE] and found.ok_keys == 1000

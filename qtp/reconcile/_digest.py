@@ -1,9 +1,13 @@
 """Digest mode: each database summarises ranges of keys in its own SQL, and only ranges that differ are read.
 
-For every range of keys (a bucket), each side computes, in one ``GROUP BY bucket`` query, the number of rows
-and an order-independent digest of its rows: the sum, per 60-bit slice, of the SHA-256 of each row's
-canonical encoding. The sums are exact (PostgreSQL ``numeric``, MariaDB ``DECIMAL``), so the two servers agree
-bit for bit when, and only when, they hold the same multiset of encoded rows (up to a SHA-256 collision).
+For every range of keys (a bucket), each side computes, in one ``GROUP BY bucket`` query, the number of rows,
+the number of digested rows and the SHA-256 of the concatenation of the digested rows' canonical encodings in
+key order (integers by value, text by code point). The encoding of a row parses back into its fields, so two
+ranges have the same digest when, and only when, they hold the same sequence of encoded rows (up to a SHA-256
+collision). Equal multisets of rows give the same sequence when the keys are unique on both sides; a key the
+server holds twice makes its range's row count differ from the client's (whose key is unique), so such a range
+is read whatever order the copies come in. One hash per range, not one per row: hashing each row costs the
+databases more than building its encoding (benchmarks/RESULTS.md, issue 12).
 
 The canonical encoding of a row is the concatenation of its fields: a text value as ``<length>:<text>``
 (length in characters), any other value as ``<text>;`` (no such text holds a ``;``), NULL as ``#``, so that
@@ -38,13 +42,15 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
+from qtp.errors import ReconcileError
 from qtp.reconcile._sources import ProbedTable, connect, quote_table
 
 ROWS_PER_RANGE = 1024  # integer keys: the width of a range, for dense keys
 MAX_RANGES = 65536
 HASH_BITS = 12  # text keys: ranges are the first 12 bits of the key's MD5 (4096 ranges)
-SLICES = 2  # 60-bit slices of the SHA-256 summed per range: a 120-bit digest
 NULL_RANGE = -1
+MAX_SCALE = 38  # MariaDB's largest DECIMAL scale: a pair printed at a larger one is trimmed instead
+SPLIT = 2  # digest queries per side (integer keys), run at once
 SAMPLE_RANGES = 64  # auto mode: ranges digested first, to tell the usual case from a dense one
 DENSE = 0.5  # auto mode: above this fraction of differing sampled ranges, read everything
 
@@ -57,6 +63,8 @@ class Plan:
     kinds: tuple[tuple[str, str], ...] = ()  # (client kind, server kind) of the key, then of every column
     lower: int = 0  # integer keys: first key of range 0
     width: int = 0  # integer keys: keys per range; 0 for text keys (hashed)
+    # per column (key first): the scale both sides print a decimal pair at; None: trailing zeros trimmed
+    scales: tuple[int | None, ...] = ()
 
 
 @dataclass
@@ -93,23 +101,26 @@ def plan(client: ProbedTable, server: ProbedTable, pairs: Sequence[tuple[str, st
     if not client.key_is_unique:
         return Plan(f"client key {client.spec.key!r} has no unique index (a key sent twice is classified per row)")
     columns = [(client.spec.key, server.spec.key), *pairs]
-    kinds = []
+    kinds, scales = [], []
     for c_col, s_col in columns:
         ck, sk = kind(client.types[c_col]), kind(server.types[s_col])
         if ck is None or sk is None or (ck != sk and frozenset({ck, sk}) not in _PAIRS_OK):
             return Plan(f"column {c_col!r} ({client.types[c_col]}) and {s_col!r} ({server.types[s_col]}) have no "
                         "common canonical encoding (floating point, or different kinds)")
         kinds.append((ck, sk))
+        declared = (_scale(client.types[c_col]), _scale(server.types[s_col]))
+        common = None if None in declared else max(declared)
+        scales.append(common if "decimal" in (ck, sk) and common is not None and common <= MAX_SCALE else None)
     if kinds[0][0] != kinds[0][1] or kinds[0][0] not in ("integer", "text"):
         return Plan("digest ranges need integer or text keys of the same kind on both sides")
     if kinds[0][0] == "text":
-        return Plan(None, tuple(kinds))
+        return Plan(None, tuple(kinds), scales=tuple(scales))
     bounds = [b for b in (client.key_bounds, server.key_bounds) if b is not None]
     lower = min((b.lower for b in bounds), default=0)
     upper = max((b.upper for b in bounds), default=0)
     span = upper - lower + 1
     width = max(width or ROWS_PER_RANGE, -(-span // MAX_RANGES))
-    return Plan(None, tuple(kinds), lower, width)
+    return Plan(None, tuple(kinds), lower, width, tuple(scales))
 
 
 # ------------------------------------------------------------------------------------------------ SQL
@@ -119,24 +130,40 @@ def _q(name: str, backend: str) -> str:
     return quote_table(name, backend)
 
 
-def _text(col: str, kind_: str, backend: str, scale: int | None) -> str:
-    """SQL for the canonical text of a non-NULL value of ``col`` (NULL stays NULL)."""
+def _scale(sa_type: sa.types.TypeEngine) -> int | None:
+    """The declared scale of a decimal column (0 for an integer), None when not declared."""
+    if kind(sa_type) == "integer":
+        return 0
+    return getattr(sa_type, "scale", None)
+
+
+def _decimal_text(col: str, backend: str, own: int | None, common: int | None) -> str:
+    """A decimal (or an integer paired with one) printed at scale ``common``, or trimmed when it is None."""
+    if common is not None:
+        if own == common:  # a column prints its declared scale
+            return f"{col}::text" if backend == "postgresql" else f"CAST({col} AS CHAR)"
+        if backend == "postgresql":
+            return f"round({col}::numeric, {common})::text"
+        return f"CAST(CAST({col} AS DECIMAL(65, {common})) AS CHAR)"
+    if backend == "postgresql":
+        return f"trim_scale({col}::numeric)::text"
+    # a DECIMAL with a scale always prints its point, one without never does
+    return f"TRIM(TRAILING '.' FROM TRIM(TRAILING '0' FROM CAST({col} AS CHAR)))" if own else f"CAST({col} AS CHAR)"
+
+
+def _text(col: str, kind_: str, backend: str) -> str:
+    """SQL for the canonical text of a non-NULL value of ``col`` (NULL stays NULL), decimals aside."""
     if backend == "postgresql":
         return {
             "integer": f"{col}::text",
-            "decimal": f"trim_scale({col})::text",
             "boolean": f"CASE WHEN {col} THEN '1' ELSE '0' END",
             "text": f"{col}::text",
             "date": f"to_char({col}, 'YYYY-MM-DD')",
             "timestamp": f"to_char({col}, 'YYYY-MM-DD HH24:MI:SS.US')",
             "timestamptz": f"to_char({col} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')",
         }[kind_]
-    as_char = f"CAST({col} AS CHAR)"
-    # a DECIMAL with a scale always prints its point, one without never does
-    decimal_text = f"TRIM(TRAILING '.' FROM TRIM(TRAILING '0' FROM {as_char}))" if scale else as_char
     return {
-        "integer": as_char,
-        "decimal": decimal_text,
+        "integer": f"CAST({col} AS CHAR)",
         "boolean": f"CASE WHEN {col} THEN '1' ELSE '0' END",
         "text": f"CONVERT({col} USING utf8mb4)",
         "date": f"DATE_FORMAT({col}, '%Y-%m-%d')",
@@ -145,25 +172,35 @@ def _text(col: str, kind_: str, backend: str, scale: int | None) -> str:
     }[kind_]
 
 
-def _field(col: str, kind_: str, backend: str, scale: int | None = None) -> str:
-    """Text: ``<length>:<text>``; any other kind (no ``;`` in its text): ``<text>;``; NULL: ``#``."""
-    text = _text(col, kind_, backend, scale)
-    if backend == "postgresql":
-        encoded = f"char_length({col}) || ':' || {text}" if kind_ == "text" else f"{text} || ';'"
-        return f"COALESCE({encoded}, '#')"
-    encoded = f"CHAR_LENGTH({col}), ':', {text}" if kind_ == "text" else f"{text}, ';'"
-    return f"COALESCE(CONCAT({encoded}), '#')"
+def _concat(backend: str, parts: Sequence[str]) -> str:
+    return " || ".join(parts) if backend == "postgresql" else f"CONCAT({', '.join(parts)})"
 
 
-def _status(probed: ProbedTable) -> tuple[str, str]:
-    """(encoded status, SQL condition for a row that is digested) for one side."""
+def _field(col: str, kinds: tuple[str, str], side: int, probed: ProbedTable, common: int | None) -> list[str]:
+    """Text: ``<length>:<text>``; any other kind (no ``;`` in its text): ``<text>;``; NULL: ``#``. The
+    parts to concatenate: a NOT NULL column's go straight into the row's one concatenation (no NULL test, no
+    concatenation of its own: MariaDB spent 13 % more on nested ``CONCAT``)."""
+    backend, kind_ = probed.backend, kinds[side]
+    sql = _q(col, backend)
+    if "decimal" in kinds:
+        text = _decimal_text(sql, backend, _scale(probed.types[col]), common)
+    elif kind_ == "integer" and backend == "mysql":
+        text = sql  # CONCAT prints an integer as CAST(... AS CHAR) does
+    else:
+        text = _text(sql, kind_, backend)
+    length = "char_length" if backend == "postgresql" else "CHAR_LENGTH"
+    parts = [f"{length}({sql})", "':'", text] if kind_ == "text" else [text, "';'"]
+    return parts if col in probed.not_null else [f"COALESCE({_concat(backend, parts)}, '#')"]
+
+
+def _status(probed: ProbedTable) -> str | None:
+    """SQL for one side's status, lower case and trimmed (None when every row is committed)."""
     column = probed.spec.status_column
     if column is None:
-        return "'c'", "1 = 1"
+        return None
     cast = f"{_q(column, probed.backend)}::text" if probed.backend == "postgresql" else \
         f"CAST({_q(column, probed.backend)} AS CHAR)"
-    normal = f"lower(trim({cast}))"
-    return f"CASE WHEN {normal} = 'committed' THEN 'c' ELSE 'x' END", f"COALESCE({normal}, '') <> 'aborted'"
+    return f"lower(trim({cast}))"
 
 
 def range_of(probed: ProbedTable, p: Plan) -> str:
@@ -178,26 +215,45 @@ def range_of(probed: ProbedTable, p: Plan) -> str:
     return f"CAST(CONV(SUBSTR(MD5(CONVERT({key} USING utf8mb4)), 1, {hexes}), 16, 10) AS SIGNED)"
 
 
+def _order_key(probed: ProbedTable, p: Plan) -> str:
+    """SQL for the key as both servers order it alike: integers as numbers, text by code point (no padding)."""
+    key = _q(probed.spec.key, probed.backend)
+    if p.width:
+        return key
+    if probed.backend == "postgresql":
+        return f'{key}::text COLLATE "C"'
+    return f"CONVERT({key} USING utf8mb4) COLLATE utf8mb4_nopad_bin"
+
+
 def digest_sql(probed: ProbedTable, p: Plan, columns: Sequence[str], side: int, where: str | None = None) -> str:
-    """One query: range, rows, digested rows and the slice sums, per range."""
+    """One query: per range, the rows, the digested rows and the SHA-256 of their encodings in key order.
+
+    Flat (no derived table), and each row's encoding written once: both servers substitute a derived table's
+    expressions into the outer query and would build the encoding once per aggregate that uses it."""
     backend = probed.backend
     names = [probed.spec.key, *columns]
-    fields = [_field(_q(col, backend), kinds[side], backend, getattr(probed.types[col], "scale", None))
-              for col, kinds in zip(names, p.kinds)]
-    status, digested = _status(probed) if side == 0 else ("'c'", "1 = 1")
-    if backend == "postgresql":
-        row = " || ".join([*fields, status])
-        hashed = f"encode(sha256(convert_to({row}, 'UTF8')), 'hex')"
-        slices = [f"('x' || substr(h, {1 + 15 * i}, 15))::bit(60)::bigint" for i in range(SLICES)]
+    fields = [part for col, kinds, common in zip(names, p.kinds, p.scales)
+              for part in _field(col, kinds, side, probed, common)]
+    status = _status(probed) if side == 0 else None
+    if status is None:
+        encoded, digested = _concat(backend, [*fields, "'c'"]), "COUNT(*)"
     else:
-        row = "CONCAT(" + ", ".join([*fields, status]) + ")"
-        hashed = f"SHA2({row}, 256)"
-        slices = [f"CAST(CONV(SUBSTR(h, {1 + 15 * i}, 15), 16, 10) AS UNSIGNED)" for i in range(SLICES)]
-    sums = ", ".join(f"SUM(CASE WHEN d THEN {s} END) AS s{i}" for i, s in enumerate(slices))
-    inner = (f"SELECT {range_of(probed, p)} AS r, ({digested}) AS d, {hashed} AS h "
-             f"FROM {_q(probed.spec.table, backend)}{f' WHERE {where}' if where else ''}")
-    return (f"SELECT r, COUNT(*) AS n, SUM(CASE WHEN d THEN 1 ELSE 0 END) AS dn, {sums} "
-            f"FROM ({inner}) t GROUP BY r")
+        committed, other = _concat(backend, [*fields, "'c'"]), _concat(backend, [*fields, "'x'"])
+        encoded = f"CASE {status} WHEN 'aborted' THEN NULL WHEN 'committed' THEN {committed} ELSE {other} END"
+        digested = f"SUM(CASE WHEN {status} = 'aborted' THEN 0 ELSE 1 END)"
+    if backend == "postgresql":
+        digest = f"encode(sha256(convert_to(string_agg({encoded}, '' ORDER BY {_order_key(probed, p)}), 'UTF8')), 'hex')"
+    else:
+        digest = f"SHA2(GROUP_CONCAT({encoded} ORDER BY {_order_key(probed, p)} SEPARATOR ''), 256)"
+    table = _q(probed.spec.table, backend)
+    return (f"SELECT {range_of(probed, p)} AS r, COUNT(*) AS n, {digested} AS dn, {digest} AS h "
+            f"FROM {table}{f' WHERE {where}' if where else ''} GROUP BY 1")
+
+
+# MariaDB cuts a GROUP_CONCAT at this many bytes (with warning 1260): set far above any range's encodings,
+# and a cut is an error, never a digest of part of a range.
+GROUP_CONCAT_MAX = 2**32 - 1
+GROUP_CONCAT_CUT = 1260
 
 
 def _session(conn: sa.Connection, backend: str) -> None:
@@ -207,27 +263,33 @@ def _session(conn: sa.Connection, backend: str) -> None:
             conn.exec_driver_sql(setting)
     else:
         conn.exec_driver_sql("SET time_zone = '+00:00'")
+        conn.exec_driver_sql(f"SET SESSION group_concat_max_len = {GROUP_CONCAT_MAX}")
 
 
 def fetch(probed: ProbedTable, p: Plan, columns: Sequence[str], side: int,
-          ranges: Sequence[int] | None = None) -> dict[int, tuple]:
-    """Run one side's digest query: {range: (rows, digested rows, sum 0, sum 1, ...)}; NULL keys -> -1."""
+          ranges: Sequence[int] | None = None, where: str | None = None) -> dict[int, tuple]:
+    """Run one side's digest query (of every range, of ``ranges``, or of the rows matching ``where``):
+    {range: (rows, digested rows, SHA-256 hex or None)}; NULL keys -> -1."""
     engine = connect(probed.spec)
     try:
         with engine.connect() as conn:
             _session(conn, probed.backend)
-            where = predicates(probed, p, ranges, 1)[0] if ranges else None
+            where = predicates(probed, p, ranges, 1)[0] if ranges else where
             sql = digest_sql(probed, p, columns, side, where)
             if probed.backend == "mysql":
                 sql = sql.replace("%", "%%")  # PyMySQL formats the statement with %
             rows = conn.exec_driver_sql(sql).all()
+            if probed.backend == "mysql" and any(w[1] == GROUP_CONCAT_CUT
+                                                  for w in conn.exec_driver_sql("SHOW WARNINGS").all()):
+                raise ReconcileError(f"digest of {probed.spec.table}: a range's rows exceed MariaDB's "
+                                     f"group_concat_max_len ({GROUP_CONCAT_MAX} bytes); use a smaller range width")
     finally:
         engine.dispose()
-    return {NULL_RANGE if r[0] is None else int(r[0]): tuple(int(v or 0) for v in r[1:]) for r in rows}
+    return {NULL_RANGE if r[0] is None else int(r[0]): (int(r[1]), int(r[2]), r[3]) for r in rows}
 
 
 def compare(client: dict[int, tuple], server: dict[int, tuple]) -> Digests:
-    """Ranges whose digested rows and sums agree are ok; the rest (and the NULL-key range) are read."""
+    """Ranges whose digested rows and digests agree are ok; the rest (and the NULL-key range) are read."""
     differing, ok_keys, ok_server = [], 0, 0
     for r in sorted(set(client) | set(server)):
         c, s = client.get(r), server.get(r)
@@ -243,11 +305,29 @@ def compare(client: dict[int, tuple], server: dict[int, tuple]) -> Digests:
 
 def digests(client: ProbedTable, server: ProbedTable, p: Plan, pairs: Sequence[tuple[str, str]],
             ranges: Sequence[int] | None = None) -> Digests:
-    """Both sides' digest queries (of every range, or of ``ranges`` only), run at once, compared."""
-    with ThreadPoolExecutor(2) as pool:
-        c = pool.submit(fetch, client, p, [c for c, _ in pairs], 0, ranges)
-        s = pool.submit(fetch, server, p, [s for _, s in pairs], 1, ranges)
-        return compare(c.result(), s.result())
+    """Both sides' digest queries (of every range, or of ``ranges`` only), run at once, compared. Every range
+    is digested by one of ``SPLIT`` queries per side (integer keys), so that each database can use more than
+    one core: neither server spreads an ordered aggregate over parallel workers."""
+    def wheres(probed: ProbedTable) -> list[str | None]:
+        return [None] if ranges or not p.width else chunks(probed, p, SPLIT)
+
+    with ThreadPoolExecutor(2 * SPLIT) as pool:
+        sides = [[pool.submit(fetch, probed, p, [pair[side] for pair in pairs], side, ranges, where)
+                  for where in wheres(probed)]
+                 for side, probed in ((0, client), (1, server))]
+        c, s = ({r: v for future in futures for r, v in future.result().items()} for futures in sides)
+        return compare(c, s)
+
+
+def chunks(probed: ProbedTable, p: Plan, count: int) -> list[str]:
+    """WHERE clauses that cut an integer key into ``count`` runs of whole ranges (NULL keys in the first)."""
+    key = _q(probed.spec.key, probed.backend)
+    upper = probed.key_bounds.upper if probed.key_bounds else p.lower
+    last = max(0, (upper - p.lower) // p.width) + 1
+    edges = sorted({p.lower + p.width * (last * i // count) for i in range(1, count)})  # count >= 2: not empty
+    clauses = [f"({key} < {edges[0]} OR {key} IS NULL)"]
+    clauses += [f"{key} >= {a} AND {key} < {b}" for a, b in zip(edges, edges[1:])]
+    return clauses + [f"{key} >= {edges[-1]}"]
 
 
 def sample(client: ProbedTable, server: ProbedTable, p: Plan, count: int = SAMPLE_RANGES) -> list[int]:

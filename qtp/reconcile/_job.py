@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import sqlalchemy as sa
+from pyspark import SparkContext
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -28,6 +29,7 @@ from pyspark.sql import types as T
 from qtp.errors import ConfigurationError, QtpError, ReconcileError
 from qtp.reconcile import _classify as C
 from qtp.reconcile import _digest as D
+from qtp.reconcile import _jvm
 from qtp.reconcile._sources import (
     ProbedTable,
     TableSpec,
@@ -89,8 +91,13 @@ def launched_by_spark_submit() -> bool:
 
 
 def spark_session(master: str | None = None, conf: Mapping[str, str] | None = None,
-                  backends: set[str] = frozenset({"postgresql", "mysql"})) -> SparkSession:
-    """A SparkSession with the JDBC driver jars on its class path (``local[*]`` unless told otherwise)."""
+                  backends: set[str] = frozenset({"postgresql", "mysql"}), light: bool = False) -> SparkSession:
+    """A SparkSession with the JDBC driver jars on its class path (``local[*]`` unless told otherwise).
+
+    When this call starts the driver JVM, it maps the class archive of ``_jvm`` (or records one). ``light``
+    (digest mode: a few thousand rows to classify, beside two databases busy digesting) also limits the
+    driver's JIT to its quick C1 compiler: the start and the first jobs then take about half the CPU, while a
+    job over millions of rows runs about 1.5x slower (benchmarks/RESULTS.md, issue 12)."""
     jars = find_jdbc_jars(set(backends))
     settings = {
         "spark.sql.shuffle.partitions": "16",
@@ -99,6 +106,12 @@ def spark_session(master: str | None = None, conf: Mapping[str, str] | None = No
         **dict(conf or {}),
     }
     settings["spark.jars"] = ",".join(filter(None, [settings.get("spark.jars", ""), *jars]))
+    started = NOT_STARTED_BY_QTP
+    if not launched_by_spark_submit() and SparkContext._active_spark_context is None:  # we start the JVM
+        java_options, archive = _jvm.options(jars)
+        started = {"class_archive": archive, "compiler": "C1 only" if light else "tiered"}
+        settings["spark.driver.extraJavaOptions"] = " ".join(filter(None, [
+            settings.get("spark.driver.extraJavaOptions", ""), java_options, LIGHT_JIT if light else ""]))
     if master is not None and not master.startswith("local"):
         # Executors run no Python for this job (no UDFs); should one start, it needs this interpreter's path.
         settings.setdefault("spark.pyspark.python", sys.executable)
@@ -109,9 +122,16 @@ def spark_session(master: str | None = None, conf: Mapping[str, str] | None = No
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    DRIVER_JVM.setdefault(spark.sparkContext.applicationId, started)
     if not spark.sparkContext.master.startswith("local"):
         spark.sparkContext.addPyFile(qtp_zip())
     return spark
+
+
+LIGHT_JIT = "-XX:TieredStopAtLevel=1"
+# applicationId -> how qtp started the driver JVM (class archive, compiler), for the report
+DRIVER_JVM: dict[str, dict[str, str]] = {}
+NOT_STARTED_BY_QTP = {"class_archive": "not started by qtp", "compiler": "not started by qtp"}
 
 
 def qtp_zip() -> str:
@@ -346,20 +366,55 @@ def reconcile(
     if mode == "auto" and reason:
         say(f"auto mode: full, because {reason}")
 
+    if pushdown is None:
+        pushdown = PUSHDOWN_DEFAULT[probed_s.backend]
+    grouped = _grouped_table(probed_s) if pushdown else None
     timing: dict[str, float] = {}
+
+    def parts_of(session: SparkSession) -> int:
+        return partitions or max(2, 2 * session.sparkContext.defaultParallelism)
+
+    def classify_reads(session: SparkSession, where_c: list[str] | None, where_s: list[str] | None,
+                       shuffle: int | None, final: bool = True) -> list:
+        """Read both sides (all rows, or those matching ``where_*``), classify, collect the summary."""
+        parts = parts_of(session)
+        with _shuffle_partitions(session, shuffle):
+            with spark_errors("reading the tables over JDBC"):
+                client_df = _read(session, probed_c, parts, fetchsize, where=where_c)
+                server_df = _read(session, probed_s, parts, fetchsize, grouped=grouped, where=where_s)
+            client_df, server_df = _aligned(client_df, server_df, client, server, pairs, server_pairs)
+            server_rows = (C.server_side_grouped(server_df, server.key, server_pairs, COPIES) if grouped
+                           else C.server_side(server_df, server.key, server_pairs))
+            classified = C.classify(C.client_side(client_df, client.key, pairs, client.status_column), server_rows,
+                                    names)
+            if final:
+                if anomalies_parquet or anomalies_table:
+                    with spark_errors("writing the anomalies"):
+                        _write_anomalies(C.anomalies(classified, names), anomalies_parquet, anomalies_table, say)
+                say("classifying every key read (one pass over both tables)")
+            with spark_errors("classifying"):
+                return C.summarize(classified, names, sample_size).collect()
+
+    def start_and_warm() -> SparkSession:
+        """The driver JVM started; in digest mode, while the databases digest, one range classified and thrown
+        away, so that the real reads find the JDBC drivers loaded and the query code generated and compiled."""
+        session = _timed(timing, "jvm_start_s", spark_session, master, spark_conf,
+                         {probed_c.backend, probed_s.backend}, used == "digest")
+        if used == "digest" and plan.width:
+            first = [0]
+            _timed(timing, "warm_up_s", classify_reads, session, D.predicates(probed_c, plan, first, 1),
+                   D.predicates(probed_s, plan, first, 1), 1, False)
+        return session
+
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(_timed, timing, "jvm_start_s", spark_session, master, spark_conf,
-                             {probed_c.backend, probed_s.backend}) if spark is None else None
+        future = pool.submit(start_and_warm) if spark is None else None
         found = None
         if used == "digest":
             say(f"digest mode: {'key ranges of ' + str(plan.width) if plan.width else 'hashed key ranges'}")
             found = _timed(timing, "digests_s", D.digests, probed_c, probed_s, plan, column_pairs)
             say(f"{len(found.differing)} of {found.ranges} ranges differ")
         spark = spark if future is None else future.result()
-    parts = partitions or max(2, 2 * spark.sparkContext.defaultParallelism)
-    if pushdown is None:
-        pushdown = PUSHDOWN_DEFAULT[probed_s.backend]
-    grouped = _grouped_table(probed_s) if pushdown else None
+    parts = parts_of(spark)
     for side, probed in (("client", probed_c), ("server", probed_s)):
         say(f"{side}: {probed.display_url} table {probed.spec.table}, {_split(probed)}, {parts} partitions, "
             f"fetchsize {fetchsize}{', grouped by key in the database' if side == 'server' and grouped else ''}")
@@ -372,24 +427,7 @@ def reconcile(
         where_c = D.predicates(probed_c, plan, found.differing, reads)
         where_s = D.predicates(probed_s, plan, found.differing, reads)
     read_started = time.time()
-    if where_c == []:
-        groups: list = []
-    else:
-        with _shuffle_partitions(spark, shuffle):
-            with spark_errors("reading the tables over JDBC"):
-                client_df = _read(spark, probed_c, parts, fetchsize, where=where_c)
-                server_df = _read(spark, probed_s, parts, fetchsize, grouped=grouped, where=where_s)
-            client_df, server_df = _aligned(client_df, server_df, client, server, pairs, server_pairs)
-            server_rows = (C.server_side_grouped(server_df, server.key, server_pairs, COPIES) if grouped
-                           else C.server_side(server_df, server.key, server_pairs))
-            classified = C.classify(C.client_side(client_df, client.key, pairs, client.status_column), server_rows,
-                                    names)
-            if anomalies_parquet or anomalies_table:
-                with spark_errors("writing the anomalies"):
-                    _write_anomalies(C.anomalies(classified, names), anomalies_parquet, anomalies_table, say)
-            say("classifying every key read (one pass over both tables)")
-            with spark_errors("classifying"):
-                groups = C.summarize(classified, names, sample_size).collect()
+    groups = [] if where_c == [] else classify_reads(spark, where_c, where_s, shuffle)
     timing["reads_and_classification_s"] = round(time.time() - read_started, 3)
     result = _result(groups, names, sample_size)
     rows = result.metadata
@@ -407,7 +445,8 @@ def reconcile(
                     if found is not None else {})},
         "seconds_split": timing,
         "spark": {"master": spark.sparkContext.master, "version": spark.version, "partitions_per_side": parts,
-                  "fetchsize": fetchsize},
+                  "fetchsize": fetchsize,
+                  **DRIVER_JVM.get(spark.sparkContext.applicationId, NOT_STARTED_BY_QTP)},
         "sample_size": sample_size,
     }
     say(f"done in {result.metadata['seconds']:.1f}s ({used} mode): {result.verdict}")

@@ -70,6 +70,7 @@ class ProbedTable:
     key_is_integer: bool
     key_is_unique: bool = True  # a primary key or unique index on the key column alone
     types: dict[str, sa.types.TypeEngine] = field(default_factory=dict)  # reflected type of every column
+    not_null: frozenset[str] = frozenset()  # the columns declared NOT NULL
 
 
 def backend_of(url: URL) -> str:
@@ -152,6 +153,7 @@ def probe(spec: TableSpec, side: str) -> ProbedTable:
             key_is_integer = _is_integer_type(key_col.type)
             key_is_unique = _is_unique(table, spec.key)
             types = {col.name: col.type for col in table.c}
+            not_null = frozenset(col.name for col in table.c if not col.nullable)
             bounds = None
             if key_is_integer:
                 lo, hi = conn.execute(sa.select(sa.func.min(key_col), sa.func.max(key_col))).one()
@@ -164,7 +166,8 @@ def probe(spec: TableSpec, side: str) -> ProbedTable:
     finally:
         engine.dispose()
     return ProbedTable(spec=spec, backend=backend, display_url=shown, key_bounds=bounds,
-                       key_is_integer=key_is_integer, key_is_unique=key_is_unique, types=types)
+                       key_is_integer=key_is_integer, key_is_unique=key_is_unique, types=types,
+                       not_null=not_null)
 
 
 def connect(spec: TableSpec) -> sa.Engine:
