@@ -62,6 +62,28 @@ def test_outgoing_numbering_and_acknowledgement(store):
         assert store.backlog(s, "orders") == 3
 
 
+def test_released_messages_wait_again_before_those_enqueued_after_them(store):
+    """A sequence that ended with messages unacknowledged gives them back: unnumbered again, and ahead of the
+    messages enqueued after them, so the next sequence sends them in their original order."""
+    with store.local() as s:
+        for i in range(3):
+            store.enqueue(s, _out("orders", i))
+    with store.local() as s:
+        store.assign(s, "k1", [(m.seq, n) for n, m in enumerate(store.unnumbered(s, "orders", 3), start=1)])
+        store.enqueue(s, _out("orders", 3))
+    with store.local() as s:
+        assert store.acknowledged(s, "k1", ((1, 1),)) == 1
+        assert store.release(s, "k1", ((2, 3),)) == 2
+        assert store.release(s, "k1", ((2, 3),)) == 0
+    with store.local() as s:
+        waiting = store.unnumbered(s, "orders", 10)
+        assert [m.message_id for m in waiting] == [f"urn:uuid:orders-{i}" for i in (1, 2, 3)]
+        assert [(m.key, m.number) for m in waiting] == [(None, None)] * 3
+        assert store.numbered(s, "k1") == []
+        store.drop_source(s, "k1")
+        assert store.backlog(s, "orders") == 3
+
+
 def test_a_failed_local_transaction_leaves_nothing(store):
     with pytest.raises(RuntimeError):
         with store.local() as s:

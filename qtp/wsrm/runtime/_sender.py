@@ -305,13 +305,10 @@ class Sender:
     def _requeue(self, store: Store, s: Any, key: str, lost: tuple[tuple[int, int], ...]) -> None:
         """The sequence ended without these being acknowledged: they go back to their route, to be sent
         again in a new sequence (at least once; the destination cannot recognise them across sequences)."""
-        messages = store.numbered(s, key, ranges.numbers(lost))
-        for m in messages:
-            store.enqueue(s, replace(m, seq=None, key=None, number=None))
-        store.acknowledged(s, key, lost)
-        if messages:
+        count = store.release(s, key, lost)
+        if count:
             log.warning("sequence %s ended with %d message(s) unacknowledged; they are sent again in a new "
-                        "sequence", key, len(messages))
+                        "sequence, before any message enqueued after them", key, count)
 
     def _forget(self, key: str, info: SourceInfo) -> None:
         with self._mutex:

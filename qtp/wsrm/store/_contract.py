@@ -162,6 +162,11 @@ class Store(abc.ABC):
         """The messages of sequence ``key`` (only ``numbers`` when given), by number."""
 
     @abc.abstractmethod
+    def release(self, s: Any, key: str, ranges: AckRanges) -> int:
+        """Take the numbers in ``ranges`` of sequence ``key`` off their messages, which wait unnumbered again in
+        their original enqueue order (before any message enqueued after them); return how many."""
+
+    @abc.abstractmethod
     def acknowledged(self, s: Any, key: str, ranges: AckRanges) -> int:
         """Delete the messages of ``key`` whose numbers are in ``ranges``; return how many were deleted."""
 

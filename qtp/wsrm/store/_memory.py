@@ -73,9 +73,14 @@ class MemoryStore(Store):
         found = [m for m in s.outgoing.values() if m.key == key and (wanted is None or m.number in wanted)]
         return sorted(found, key=lambda m: m.number or 0)
 
+    def release(self, s: _Data, key: str, lost: AckRanges) -> int:
+        freed = _in_ranges(s, key, lost)
+        for seq in freed:
+            s.outgoing[seq] = dataclasses.replace(s.outgoing[seq], key=None, number=None)
+        return len(freed)
+
     def acknowledged(self, s: _Data, key: str, acked: AckRanges) -> int:
-        gone = [seq for seq, m in s.outgoing.items()
-                if m.key == key and m.number is not None and ranges.contains(acked, m.number)]
+        gone = _in_ranges(s, key, acked)
         for seq in gone:
             del s.outgoing[seq]
         return len(gone)
@@ -161,3 +166,9 @@ class MemoryStore(Store):
 
     def take_dead_letter(self, s: _Data, letter_id: int) -> DeadLetter | None:
         return s.dead.pop(letter_id, None)
+
+
+def _in_ranges(s: _Data, key: str, numbers: AckRanges) -> list[int]:
+    """The enqueue positions of sequence ``key``'s messages whose numbers are in ``numbers``."""
+    return [seq for seq, m in s.outgoing.items()
+            if m.key == key and m.number is not None and ranges.contains(numbers, m.number)]

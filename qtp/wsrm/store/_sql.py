@@ -131,6 +131,10 @@ def _outgoing(row: Any) -> Outgoing:
                     key=m["seq_key"], number=m["number"])
 
 
+def _numbers_in(ranges: AckRanges) -> sa.ColumnElement[bool]:
+    return sa.or_(*(outgoing.c.number.between(lower, upper) for lower, upper in ranges))
+
+
 class SqlStore(Store):
     """The store in one SQL database. ``resource`` is the name of the qtp resource it belongs to."""
 
@@ -185,11 +189,16 @@ class SqlStore(Store):
             query = query.where(outgoing.c.number.in_(numbers))
         return [_outgoing(row) for row in s.execute(query.order_by(outgoing.c.number))]
 
+    def release(self, s: Connection, key: str, ranges: AckRanges) -> int:
+        if not ranges:
+            return 0
+        return s.execute(outgoing.update().where(outgoing.c.seq_key == key, _numbers_in(ranges))
+                         .values(seq_key=None, number=None)).rowcount
+
     def acknowledged(self, s: Connection, key: str, ranges: AckRanges) -> int:
         if not ranges:
             return 0
-        within = sa.or_(*(outgoing.c.number.between(lower, upper) for lower, upper in ranges))
-        return s.execute(outgoing.delete().where(outgoing.c.seq_key == key, within)).rowcount
+        return s.execute(outgoing.delete().where(outgoing.c.seq_key == key, _numbers_in(ranges))).rowcount
 
     def backlog(self, s: Connection, route: str | None = None) -> int:
         query = sa.select(sa.func.count()).select_from(outgoing)
