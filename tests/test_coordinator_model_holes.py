@@ -37,8 +37,7 @@ def _old_commit_one_phase(self, branches):
             branch.resource.commit(branch.xid, one_phase=True)
             failpoint("after_one_phase_commit")
         except ResourceUnavailableError as exc:
-            branch.resource.detach(branch.xid)
-            self._give_up_knowing(exc, "the connection broke during the one-phase commit")
+            self._give_up_knowing(exc, "the connection broke during the one-phase commit", leave=branches)
         except BaseException as exc:
             self._abort(exc, "the one-phase commit failed")
     self._fire(Event.COMMITTED)
