@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy import text
 
 from qtp.embedded import DEFAULT_ROOT, EmbeddedMariaDB, EmbeddedPostgres, free_port
-from qtp.testing.nodes import NodeProcess, Pair, client_schema, create, rows, server_schema
+from qtp.testing.nodes import NodeProcess, Pair, client_schema, counter, create, rows, server_schema
 
 HERE = Path(__file__).resolve().parent
 PAD = 1000 - len('<order xmlns="urn:test" k="12345"></order>')
@@ -61,7 +61,7 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
     stages = {"sent": lambda: rows(client_url, "SELECT COUNT(*) FROM orders")[0][0],
               "applied": lambda: rows(server_url, "SELECT COUNT(*) FROM applied")[0][0]}
     if metrics:
-        stages["stored"] = lambda: _counter(metrics, "qtp_messages_received_total")
+        stages["stored"] = lambda: counter(metrics, "qtp_messages_received_total") or 0.0
     marks: dict[tuple[str, float], float] = {}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -82,15 +82,6 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
         rate = 0.8 * total / (high - low) if low is not None and high is not None and high > low else 0.0
         result["rate" if name == "applied" else f"{name}_rate"] = round(rate, 1)
     return result
-
-
-def _counter(url: str, name: str) -> float:
-    try:
-        text_ = requests.get(url, timeout=2).text
-    except requests.RequestException:
-        return 0.0
-    line = next((x for x in text_.splitlines() if x.startswith(name + "{")), None)
-    return float(line.rsplit(" ", 1)[1]) if line else 0.0
 
 
 def _pct(values: list[float], q: float) -> float:

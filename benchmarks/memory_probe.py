@@ -17,22 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import urllib.request
 from pathlib import Path
 
 from e2e_campaign import _count, _databases, _pair
 
 from qtp.testing.lossy_proxy import LossyProxy
-from qtp.testing.nodes import NodeProcess
+from qtp.testing.nodes import NodeProcess, counter
 
 
 def _metric(node: NodeProcess, name: str) -> float | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{node.port}/metrics", timeout=3) as answer:
-            text = answer.read().decode()
-    except OSError:
-        return None
-    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")), None)
+    return counter(f"http://127.0.0.1:{node.port}/metrics", name)
 
 
 def main() -> None:

@@ -9,7 +9,6 @@ acknowledged again, in a new sequence and in the order the messages were enqueue
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from pathlib import Path
 

@@ -173,6 +173,17 @@ class NodeProcess:
             return ""
 
 
+def counter(url: str, name: str) -> float | None:
+    """The value of metric ``name`` (one series) at a node's ``/metrics`` ``url``; None when the node does not
+    answer or does not have it."""
+    try:
+        body = requests.get(url, timeout=2).text
+    except requests.RequestException:
+        return None
+    line = next((x for x in body.splitlines() if x.startswith(name + "{")), None)
+    return float(line.rsplit(" ", 1)[1]) if line else None
+
+
 def wait_until(condition, timeout: float, what: str, poll: float = 0.25) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
