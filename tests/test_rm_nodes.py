@@ -160,7 +160,9 @@ def test_a_lossy_network_in_both_directions_changes_nothing(request, nodes):
     from qtp.testing.lossy_proxy import LossyProxy
 
     faults = dict(drop_request=0.1, drop_response=0.1, duplicate_request=0.1, delay=0.3, delay_ms=(0, 80))
-    pair = _pair(request, "pg", "maria", False, reply=True, proxy_port=free_port(), back_proxy_port=free_port())
+    # One message per request, so that 60 messages make enough requests for the proxy's faults to strike.
+    pair = _pair(request, "pg", "maria", False, reply=True, proxy_port=free_port(), back_proxy_port=free_port(),
+                 limits="max_batch = 1")
     to_server = LossyProxy(f"http://127.0.0.1:{pair.server_port}", port=pair.proxy_port, seed=1, **faults).start()
     to_client = LossyProxy(f"http://127.0.0.1:{pair.client_port}", port=pair.back_proxy_port, seed=2,
                            **faults).start()

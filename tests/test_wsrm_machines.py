@@ -192,10 +192,17 @@ def test_retransmission_backs_off_exponentially_up_to_the_cap() -> None:
 def test_acknowledgement_ranges_release_messages_once() -> None:
     source = active_source(sent=5)
     actions = source.handle(ack((1, 2), (4, 4)))
-    assert actions == [MessagesAcknowledged(((1, 2), (4, 4)))]
+    assert of(MessagesAcknowledged, actions) == [MessagesAcknowledged(((1, 2), (4, 4)))]
     assert [n for n, _, _ in source.record.pending] == [3, 5]
     assert untimed(source.handle(ack((1, 5)))) == [MessagesAcknowledged(((3, 3), (5, 5)))]
     assert source.handle(ack((1, 5))) == []
+
+
+def test_a_gap_below_an_acknowledged_number_is_sent_again_at_once_and_only_once() -> None:
+    source = active_source(sent=5)
+    actions = source.handle(ack((1, 2), (4, 4)))
+    assert of(Transmit, actions) == [Transmit(ID, 3, False, False, 2)]  # 5 is above the gap: not shown lost
+    assert of(Transmit, source.handle(ack((1, 2), (4, 5)))) == []  # the same gap again: its timer decides
 
 
 def test_none_acknowledgement_changes_nothing_and_nack_resends_at_once() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+from dataclasses import replace
+
 import pytest
 import sqlalchemy
 
@@ -105,7 +107,8 @@ def test_source_destination_and_invoker_records_round_trip(store):
         store.save_destination(s, info, destination)
         store.save_invoker(s, invoker)
     with store.local() as s:
-        assert store.sources(s) == [(SourceInfo("orders", "http://peer/rm"), source)]
+        # pending is not kept: the numbered outgoing rows are the pending messages
+        assert store.sources(s) == [(SourceInfo("orders", "http://peer/rm"), replace(source, pending=()))]
         assert store.destinations(s) == [(info, destination)]
         assert store.invokers(s) == [invoker]
         store.save_source(s, SourceInfo("orders", "http://peer/rm"), SourceRecord("k1", RMVersion.WSRM11))

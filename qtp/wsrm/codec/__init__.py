@@ -5,6 +5,7 @@
 ``Validator`` checks emitted envelopes against the official schemas, loaded from local files.
 """
 
+from qtp.wsrm.codec._batch import BATCH_CONTENT_TYPE, decode_batch, encode_batch
 from qtp.wsrm.codec._decode import DEFAULT_MAX_BYTES, DEFAULT_MAX_DEPTH, decode, parse_duration
 from qtp.wsrm.codec._encode import check_payload, default_action, encode, format_duration
 from qtp.wsrm.codec._envelope import Addressing, EncodingError, Envelope, InvalidMessage, SoapFault
@@ -12,8 +13,8 @@ from qtp.wsrm.codec._names import COMBINATIONS, RM_NS, SOAP_NS, WSA_NS, SoapVers
 from qtp.wsrm.codec._schemas import SCHEMA_FILES, Validator
 
 __all__ = [
-    "COMBINATIONS", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_DEPTH", "RM_NS", "SCHEMA_FILES", "SOAP_NS", "WSA_NS",
+    "BATCH_CONTENT_TYPE", "COMBINATIONS", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_DEPTH", "RM_NS", "SCHEMA_FILES", "SOAP_NS", "WSA_NS",
     "Addressing", "EncodingError", "Envelope", "InvalidMessage", "SoapFault", "SoapVersion", "Validator",
-    "WsaVersion", "action", "anonymous", "check_payload", "decode", "default_action", "encode", "format_duration",
+    "WsaVersion", "action", "anonymous", "check_payload", "decode", "decode_batch", "default_action", "encode", "encode_batch", "format_duration",
     "parse_duration",
 ]

@@ -26,8 +26,9 @@ from typing import Any
 from lxml import etree
 
 from qtp.wsrm.codec._envelope import Addressing, Envelope, InvalidMessage, SoapFault
-from qtp.wsrm.codec._names import RM_BY_NS, RM_NS, SOAP_BY_NS, SOAP_NS, WSA_BY_NS, SoapVersion, WsaVersion
+from qtp.wsrm.codec._names import QTP_NS, RM_BY_NS, RM_NS, SOAP_BY_NS, SOAP_NS, WSA_BY_NS, SoapVersion, WsaVersion
 from qtp.wsrm.protocol import (
+    MAX_BATCH,
     MAX_MESSAGE_NUMBER,
     AckRequested,
     CloseSequence,
@@ -443,14 +444,27 @@ def _create_sequence(reader: _Reader, element: Any) -> CreateSequence:
             None if endpoint is None else reader.address(endpoint, "Endpoint"),
             reader.expires(offer_element), reader.behavior(offer_element),
         )
-    return CreateSequence(acks_to, reader.expires(element), offer)
+    return CreateSequence(acks_to, reader.expires(element), offer, _batch(element))
 
 
 def _create_sequence_response(reader: _Reader, element: Any) -> CreateSequenceResponse:
     accept = reader.child(element, "Accept", required=False)
     acks_to = None if accept is None else reader.address(reader.child(accept, "AcksTo"), "Accept/AcksTo")
     return CreateSequenceResponse(reader.identifier(element), reader.expires(element),
-                                  reader.behavior(element), acks_to)
+                                  reader.behavior(element), acks_to, _batch(element))
+
+
+_BATCH_TAG = f"{{{QTP_NS}}}Batch"
+
+
+def _batch(element: Any) -> int | None:
+    """qtp's batching extension; a value that is not a sensible count is ignored (the peer then gets
+    standard one-message requests), never an error."""
+    found = next(element.iterchildren(_BATCH_TAG), None)
+    text = "" if found is None else (found.get("max") or "").strip()
+    if not text.isdigit() or len(text) > 6:
+        return None
+    return min(int(text), MAX_BATCH) or None
 
 
 def _close_sequence(reader: _Reader, element: Any) -> CloseSequence:

@@ -22,6 +22,7 @@ from qtp.wsrm.codec._envelope import Addressing, EncodingError, Envelope, SoapFa
 from qtp.wsrm.codec._names import (
     COMBINATIONS,
     MUST_UNDERSTAND_TRUE,
+    QTP_NS,
     RM_NS,
     SOAP_NS,
     WSA_FAULT_ACTION,
@@ -256,6 +257,7 @@ def _create_sequence(w: _Writer, m: CreateSequence) -> None:
     _expires(w, m.expires)
     if m.offer is not None:
         _offer(w, m.offer)
+    _batch(w, m.batch)
     w.out.append("</wsrm:CreateSequence>")
 
 
@@ -286,7 +288,15 @@ def _create_sequence_response(w: _Writer, m: CreateSequenceResponse) -> None:
         w.out.append("<wsrm:Accept>")
         w.epr("wsrm:AcksTo", m.accept_acks_to)
         w.out.append("</wsrm:Accept>")
+    _batch(w, m.batch)
     w.out.append("</wsrm:CreateSequenceResponse>")
+
+
+def _batch(w: _Writer, batch: int | None) -> None:
+    """qtp's batching extension (docs/interop.md): an element in qtp's namespace, which other stacks ignore
+    (the schemas allow any element of another namespace at the end of both messages)."""
+    if batch is not None:
+        w.out.append(f'<qtp:Batch xmlns:qtp="{QTP_NS}" max="{batch}"/>')
 
 
 def _only_11(w: _Writer, name: str) -> None:

@@ -43,6 +43,8 @@ RM_NS = {
 RM_BY_NS = {ns: version for version, ns in RM_NS.items()}
 
 # The combinations peers use: WS-RM 1.0 with either addressing (Sandesha2, CXF), WS-RM 1.1 with W3C only.
+QTP_NS = "urn:qtp:wsrm:2026"  # qtp's own extensions (docs/interop.md, "Batching between qtp nodes")
+
 COMBINATIONS = (
     (RMVersion.WSRM10, WsaVersion.WSA200408),
     (RMVersion.WSRM10, WsaVersion.WSA200508),

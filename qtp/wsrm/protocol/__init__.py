@@ -13,6 +13,7 @@ from qtp.wsrm.protocol._invoker import InvokerBuffer, InvokerRecord
 from qtp.wsrm.protocol._machine import Machine, from_row, to_row
 from qtp.wsrm.protocol._messages import (
     FAULT_VERSIONS,
+    MAX_BATCH,
     MAX_MESSAGE_NUMBER,
     AckRanges,
     AckRequested,
@@ -44,7 +45,7 @@ from qtp.wsrm.protocol._tables import (
 )
 
 __all__ = [
-    "ALL_TABLES", "DESTINATION_TABLES", "FAULT_VERSIONS", "INVOKER", "MAX_MESSAGE_NUMBER", "SOURCE_TABLES",
+    "ALL_TABLES", "DESTINATION_TABLES", "FAULT_VERSIONS", "INVOKER", "MAX_BATCH", "MAX_MESSAGE_NUMBER", "SOURCE_TABLES",
     "AckRanges", "AckRequested", "Action", "CloseSequence", "CloseSequenceResponse", "CreateSequence",
     "CreateSequenceResponse", "DestinationRecord", "DestinationSequence", "DestinationState", "Event",
     "FaultCode", "IncompleteSequenceBehavior", "InvokerBuffer", "InvokerRecord", "InvokerState", "Machine",

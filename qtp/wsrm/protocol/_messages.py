@@ -75,6 +75,14 @@ def check_expires(expires: float | None) -> None:
         raise ValueError(f"Expires must be a non-negative number of seconds: {expires!r}")
 
 
+MAX_BATCH = 10_000  # messages in one request, at most, whatever a peer offers
+
+
+def check_batch(batch: int | None) -> None:
+    if batch is not None and (not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH):
+        raise ValueError(f"a batch size is a whole number from 1 to {MAX_BATCH}: {batch!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Offer:
     """An offered sequence for the responses (WS-RM 1.1 requires its Endpoint)."""
@@ -94,10 +102,12 @@ class CreateSequence:
     acks_to: str
     expires: float | None = None
     offer: Offer | None = None
+    batch: int | None = None  # qtp's extension: the sender can post up to this many messages in one request
 
     def __post_init__(self) -> None:
         check_identifier(self.acks_to)
         check_expires(self.expires)
+        check_batch(self.batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +116,12 @@ class CreateSequenceResponse:
     expires: float | None = None
     incomplete_behavior: IncompleteSequenceBehavior | None = None
     accept_acks_to: str | None = None  # present when the Offer was accepted
+    batch: int | None = None  # qtp's extension: the destination takes up to this many messages per request
 
     def __post_init__(self) -> None:
         check_identifier(self.identifier)
         check_expires(self.expires)
+        check_batch(self.batch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,11 @@ harmless because the destination recognises (identifier, number) and acknowledge
 unions. An acknowledgement that names a number never sent proves the peer broken: the source answers with
 InvalidAcknowledgement and fails, rather than deleting messages it was never shown to have delivered.
 
+Fast retransmission: an acknowledgement that names a higher number shows a message below it missing (its
+request was lost, or the destination dropped it). Such a message is sent again at once, the first time
+only; after that its timer decides, so a run of acknowledgements showing the same gap sends it once. The
+runtime sets ``retransmit_interval`` from the measured round-trip time before it feeds an event.
+
 Completion: WS-RM 1.0 sends an empty message marked LastMessage, waits for every number to be
 acknowledged, then sends TerminateSequence (which has no response, so the source is done). WS-RM 1.1 waits
 for every acknowledgement, sends CloseSequence, then TerminateSequence, retrying each until answered. A
@@ -88,6 +93,7 @@ class SourceRecord:
     max_message_number: int = MAX_MESSAGE_NUMBER
     end_reason: str | None = None
     failure: str | None = None
+    peer_batch: int = 1  # messages per request the destination agreed to (qtp's batching extension)
 
     ENUMS: ClassVar[dict[str, type[Enum]]] = {"state": SourceState, "version": RMVersion}
 
@@ -174,6 +180,7 @@ class SourceSequence(Machine[SourceRecord]):
             r, state=S.DRAINING if r.complete_requested else S.ACTIVE, identifier=response.identifier,
             control_attempts=0, control_due=None,
             expires_at=None if response.expires is None else e.now + response.expires,
+            peer_batch=response.batch or 1,
         )
         actions: list[Action] = []
         if response.accept_acks_to is not None and r.offer_identifier is not None:
@@ -195,10 +202,11 @@ class SourceSequence(Machine[SourceRecord]):
         acked = ranges.union(r.acked, ack.ranges)
         actions: list[Action] = [MessagesAcknowledged(fresh)] if fresh else []
         pending: list[tuple[int, int, float]] = []
+        highest = ranges.highest(acked)
         for number, attempts, due in r.pending:
             if ranges.contains(acked, number):
                 continue
-            if number in ack.nacks and attempts:
+            if attempts and (number in ack.nacks or (attempts == 1 and number < highest)):
                 actions.append(self._transmit(r, number, False, attempts + 1))
                 attempts, due = attempts + 1, e.now + r.delay(attempts + 1)
             pending.append((number, attempts, due))

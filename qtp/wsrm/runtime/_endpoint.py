@@ -21,7 +21,17 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from sqlalchemy.exc import SQLAlchemyError
 
 from qtp.errors import QtpError
-from qtp.wsrm.codec import Addressing, Envelope, InvalidMessage, SoapFault, SoapVersion, WsaVersion, decode
+from qtp.wsrm.codec import (
+    BATCH_CONTENT_TYPE,
+    Addressing,
+    Envelope,
+    InvalidMessage,
+    SoapFault,
+    SoapVersion,
+    WsaVersion,
+    decode,
+    decode_batch,
+)
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION
 from qtp.wsrm.runtime._transport import content_type, soap_version_of, wire
 
@@ -69,11 +79,25 @@ class Endpoint:
         if int(length) > limit:
             return _plain(start_response, 413, f"the request is over this node's limit of {limit} bytes",
                           [("Connection", "close")])
+        media = (environ.get("CONTENT_TYPE") or "").split(";", 1)[0].strip().lower()
+        if media == BATCH_CONTENT_TYPE:
+            return self._batch(environ["wsgi.input"].read(int(length)), start_response)
         soap = soap_version_of(environ.get("CONTENT_TYPE"))
         if soap is None:
             return _plain(start_response, 415, "expected text/xml (SOAP 1.1) or application/soap+xml (SOAP 1.2)")
         data = environ["wsgi.input"].read(int(length))
         return self._soap(soap, data, start_response)
+
+    def _batch(self, data: bytes, start_response: StartResponse) -> list[bytes]:
+        """qtp's batching extension: several standard envelopes in one request (see qtp.wsrm.codec._batch)."""
+        limits = self.node.limits
+        try:
+            envelopes = [decode(part, max_bytes=limits.max_request_bytes)
+                         for part in decode_batch(data, limits.max_batch)]
+        except InvalidMessage as exc:
+            log.info("refused a batch: %s", exc)
+            return self._respond(start_response, _bare_fault(SoapVersion.SOAP12, "Sender", str(exc)), 400)
+        return self._answer(envelopes[0], lambda: self.node.receiver.handle_batch(envelopes), start_response)
 
     def _soap(self, soap: SoapVersion, data: bytes, start_response: StartResponse) -> list[bytes]:
         try:
@@ -82,10 +106,13 @@ class Endpoint:
             log.info("refused a request: %s", exc)
             return self._respond(start_response, _bare_fault(soap, "Sender", str(exc)),
                                  400 if soap is SoapVersion.SOAP12 else 500)
+        return self._answer(envelope, lambda: self.node.receiver.handle(envelope), start_response)
+
+    def _answer(self, envelope: Envelope, handle: Callable[[], Any], start_response: StartResponse) -> list[bytes]:
         if not self.node.started:
             return self._respond(start_response, _bare_fault(envelope.soap, "Receiver", "the node is starting"), 503)
         try:
-            answer = self.node.receiver.handle(envelope)
+            answer = handle()
         except (QtpError, SQLAlchemyError) as exc:  # the store is unreachable: nothing acknowledged
             log.warning("could not take a message now: %s", exc)
             fault = _bare_fault(envelope.soap, "Receiver", f"the node cannot take messages now: {exc}")

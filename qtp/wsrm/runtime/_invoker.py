@@ -55,6 +55,7 @@ log = logging.getLogger("qtp.wsrm.invoker")
 
 Message = Incoming  # what a handler receives
 REDELIVERY = "urn:qtp:redelivery"  # dead letters sent back by `qtp dead-letters retry` (numbered by letter id)
+CACHE_MAX = 20_000  # messages kept in memory between their store and their apply; beyond, read from the store
 
 
 class _Schedule:
@@ -102,6 +103,7 @@ class Invoker:
         self._mutex = threading.RLock()
         self._schedule = _Schedule()
         self._parked: set[tuple[str, int]] = set()  # waiting for a handler to be registered
+        self._cache: dict[tuple[str, int], Incoming] = {}  # just stored, not yet applied
         self._threads: list[threading.Thread] = []
         self._stopping = False
 
@@ -131,8 +133,12 @@ class Invoker:
                 machine = self._machines[identifier] = InvokerBuffer(record)
             return machine
 
-    def stored(self, identifier: str, number: int) -> None:
+    def stored(self, identifier: str, number: int, message: Incoming | None = None) -> None:
+        """``number`` of ``identifier`` is stored; ``message``, when given, is what was stored (kept in memory
+        so that its delivery need not read it back)."""
         with self._mutex:
+            if message is not None and len(self._cache) < CACHE_MAX:
+                self._cache[identifier, number] = message
             actions = self.ensure(identifier).handle(MessageStored(number))
         self._dispatch(actions)
 
@@ -209,8 +215,10 @@ class Invoker:
 
     def _deliver(self, identifier: str, number: int) -> None:
         batch = self.node.limits.invoker_batch if identifier != REDELIVERY else 1
-        with self.store.local() as s:
-            found = self.store.incoming(s, identifier, start=number, limit=batch)
+        found = self._cached(identifier, number, batch)
+        if not found:
+            with self.store.local() as s:
+                found = self.store.incoming(s, identifier, start=number, limit=batch)
         if not found or found[0].number != number:
             record = self.node.receiver.record(identifier)
             if identifier != REDELIVERY and (record is None or not ranges.contains(record.received, number)):
@@ -252,6 +260,19 @@ class Invoker:
             self._abort(identifier, number, at=time.time() + self.node.limits.retry_backoff_max)
         except Exception as exc:
             self._failed(message, exc)
+
+    def _cached(self, identifier: str, number: int, limit: int) -> list[Incoming]:
+        """The consecutive messages from ``number`` on that are in memory (empty when ``number`` is not)."""
+        with self._mutex:
+            found: list[Incoming] = []
+            while len(found) < limit and (identifier, number + len(found)) in self._cache:
+                found.append(self._cache[identifier, number + len(found)])
+            return found
+
+    def _uncache(self, identifier: str, numbers: list[int]) -> None:
+        with self._mutex:
+            for number in numbers:
+                self._cache.pop((identifier, number), None)
 
     def _batchable(self, head: Incoming, rest: list[Incoming], handler: Callable[..., Any],
                    info: Any, now: float) -> list[Incoming]:
@@ -295,11 +316,12 @@ class Invoker:
             else:
                 session = Buffered(self.store)
                 tx.on_commit(session.replay)
+            numbers = [m.number for m in messages]
+            if isinstance(session, Buffered):
+                session.record("consume_many", identifier, numbers)
+            elif self.store.consume_many(session, identifier, numbers) != len(numbers):
+                raise _AlreadyApplied()
             for message in messages:
-                if isinstance(session, Buffered):
-                    session.record("consume", message.identifier, message.number)
-                elif not self.store.consume(session, message.identifier, message.number):
-                    raise _AlreadyApplied()
                 reply = self._reply(message, handler(tx, message))
                 if reply is not None:
                     self._write(session, "enqueue", reply)
@@ -341,6 +363,7 @@ class Invoker:
     def _committed(self, identifier: str, number: int, following: list[int] | None = None) -> None:
         """``number`` (in flight) and the ``following`` numbers of its batch are applied."""
         done = set(following or ())
+        self._uncache(identifier, [number, *done])
         actions: list[Any] = []
         with self._mutex:
             machine = self.ensure(identifier)
@@ -375,6 +398,7 @@ class Invoker:
 
     def _failed(self, message: Incoming, exc: BaseException) -> None:
         limits = self.node.limits
+        self._uncache(message.identifier, [message.number])  # its attempts change: read it back next time
         error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         attempts = message.attempts + 1
         now = time.time()

@@ -7,6 +7,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -32,6 +33,12 @@ class Metrics:
         self.latency = Histogram("qtp_enqueue_to_apply_seconds",
                                  "From the sender's enqueue (qtp peers) or the receipt to the committed apply",
                                  labelnames=["node"], buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)
+
+        self.batch = Histogram("qtp_request_messages", "Application messages per request sent (batches)",
+                               labelnames=["node"], buckets=BATCH_BUCKETS, registry=self.registry).labels(**labels)
+        self.stored_batch = Histogram("qtp_store_messages", "Inbound messages stored per local commit",
+                                      labelnames=["node"], buckets=BATCH_BUCKETS,
+                                      registry=self.registry).labels(**labels)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -198,47 +198,75 @@ class Receiver:
         self.node.invoker.ensure(identifier)
         return self._answer(env, identifier, actions)
 
+    def handle_batch(self, envelopes: list[Envelope]) -> Answer:
+        """A qtp batch: each sequence's messages stored in one local commit, one answer with every
+        acknowledgement (or the first fault)."""
+        now = time.time()
+        groups: dict[str, list[Envelope]] = {}
+        for env in envelopes:
+            if env.sequence is None or env.body is not None and not isinstance(env.body, SoapFault):
+                return self.fault(env, SoapFault("Sender", None, "a qtp batch carries sequence messages only"), 400)
+            if env.acks:
+                self.node.sender.on_acks(env.acks)
+            groups.setdefault(env.sequence.identifier, []).append(env)
+        answers = [self._messages(group, now) for group in groups.values()]
+        failed = next((a for a in answers if a.status >= 300), None)
+        if failed is not None:
+            return failed
+        acks = tuple(ack for a in answers if a.envelope is not None for ack in a.envelope.acks)
+        last = next((a for a in reversed(answers) if a.envelope is not None), None)
+        if last is None or last.envelope is None:
+            return Answer(None, 202)
+        return Answer(replace(last.envelope, acks=acks), 200)
+
     def _message(self, env: Envelope, now: float) -> Answer:
-        seq = env.sequence
-        assert seq is not None
-        lock = self._locks.get(seq.identifier)
-        if lock is None:
-            return self._answer(env, seq.identifier, [unknown_sequence(seq.identifier)])
-        accepted = False
-        with lock:
-            self._reload_if_stale(seq.identifier)
-            machine = self._machines[seq.identifier]
-            if not _ranges_contain(machine.record.received, seq.number) and self._busy():
-                fault = SoapFault("Receiver", None, "the node's backlog of unapplied messages is full; retry later")
-                return self.fault(env, fault, 503)
-            probe = DestinationSequence(machine.record)
-            try:
-                actions = probe.handle(MessageReceived(seq.number, now, seq.last_message))
-            except ProtocolError as exc:
-                return self._protocol_error(env, seq.identifier, exc)
-            accepted = any(isinstance(a, AcceptMessage) for a in actions)
-            if accepted:
-                message = Incoming(
-                    identifier=seq.identifier, number=seq.number,
-                    message_id=env.addressing.message_id or f"urn:uuid:{uuid.uuid4()}",
-                    action=env.addressing.action or "", payload=env.payload, received_at=now,
-                    enqueued_at=enqueued_at(env.addressing.message_id or ""), relates_to=env.addressing.relates_to,
-                    fault=env.body.reason if isinstance(env.body, SoapFault) else None,
-                )
-                self._stale.add(seq.identifier)  # until the commit is known to have happened
-                with self.store.local() as s:
-                    if self.store.store_incoming(s, message):
-                        self.node.metrics.received.inc()
-                    self.store.save_destination(s, self._infos[seq.identifier], probe.record)
-                failpoint("after_store_before_ack")
-            self._machines[seq.identifier] = probe
-            self._stale.discard(seq.identifier)
-        if accepted:  # also when it was stored already, by a commit whose outcome we did not learn
-            self.node.invoker.stored(seq.identifier, seq.number)
-        answer = self._answer(env, seq.identifier, actions)
-        if env.ack_requests and answer.envelope is None:
-            return self._event(env, seq.identifier, AckRequestedReceived(now))
+        answer = self._messages([env], now)
+        if env.ack_requests and answer.envelope is None and answer.status < 300:
+            assert env.sequence is not None
+            return self._event(env, env.sequence.identifier, AckRequestedReceived(now))
         return answer
+
+    def _messages(self, envs: list[Envelope], now: float) -> Answer:
+        """Messages of one sequence, in the order they came: stored in one local transaction, then answered
+        with the acknowledgement that covers them all."""
+        first = envs[0]
+        identifier = first.sequence.identifier  # type: ignore[union-attr]
+        lock = self._locks.get(identifier)
+        if lock is None:
+            return self._answer(first, identifier, [unknown_sequence(identifier)])
+        with lock:
+            self._reload_if_stale(identifier)
+            machine = self._machines[identifier]
+            fresh = sum(1 for e in envs if not _ranges_contain(machine.record.received, e.sequence.number))  # type: ignore[union-attr]
+            if fresh and self._busy(fresh):
+                fault = SoapFault("Receiver", None, "the node's backlog of unapplied messages is full; retry later")
+                return self.fault(first, fault, 503)
+            probe = DestinationSequence(machine.record)
+            actions: list[Any] = []
+            accepted: list[Incoming] = []
+            for env in envs:
+                seq = env.sequence
+                assert seq is not None
+                try:
+                    step = probe.handle(MessageReceived(seq.number, now, seq.last_message))
+                except ProtocolError as exc:
+                    return self._protocol_error(env, identifier, exc)
+                if any(isinstance(a, AcceptMessage) for a in step):
+                    accepted.append(_incoming(env, now))
+                actions = [a for a in actions if not isinstance(a, SendAcknowledgement)] + step
+            if accepted:
+                self._stale.add(identifier)  # until the commit is known to have happened
+                with self.store.local() as s:
+                    self.store.store_incoming_many(s, accepted)
+                    self.store.save_destination(s, self._infos[identifier], probe.record)
+                failpoint("after_store_before_ack")
+                self.node.metrics.received.inc(len(accepted))
+                self.node.metrics.stored_batch.observe(len(accepted))
+            self._machines[identifier] = probe
+            self._stale.discard(identifier)
+        for message in accepted:  # also when stored already, by a commit whose outcome we did not learn
+            self.node.invoker.stored(identifier, message.number, message)
+        return self._answer(envs[-1], identifier, actions)
 
     def _reload_if_stale(self, identifier: str) -> None:
         """The last store transaction of this sequence failed, perhaps after its COMMIT landed: rebuild the
@@ -253,8 +281,8 @@ class Receiver:
         self._stale.discard(identifier)
         log.info("inbound sequence %s reloaded from the store after a failed transaction", identifier)
 
-    def _busy(self) -> bool:
-        return self.node.invoker.backlog() >= self.node.limits.max_invoker_backlog
+    def _busy(self, arriving: int = 1) -> bool:
+        return self.node.invoker.backlog() + arriving > self.node.limits.max_invoker_backlog
 
     def _event(self, env: Envelope, identifier: str, event: Any) -> Answer:
         lock = self._locks.get(identifier)
@@ -339,8 +367,10 @@ class Receiver:
                 if a.accepted_offer is not None:
                     accept = self.node.endpoint or anonymous(env.wsa or WsaVersion.WSA200508)
                 behavior = IncompleteSequenceBehavior.NO_DISCARD if env.rm is RMVersion.WSRM11 else None
+                batch = env.body.batch if isinstance(env.body, CreateSequence) else None
                 body = CreateSequenceResponse(a.identifier, a.expires, incomplete_behavior=behavior,
-                                              accept_acks_to=accept)
+                                              accept_acks_to=accept,
+                                              batch=min(batch, self.node.limits.max_batch) if batch else None)
             elif isinstance(a, SendCloseSequenceResponse):
                 body = CloseSequenceResponse(a.identifier)
             elif isinstance(a, SendTerminateSequenceResponse):
@@ -373,6 +403,16 @@ class Receiver:
             sender = isinstance(fault, SequenceFault) or fault.code.endswith("Sender")
             status = 400 if sender and env.soap.value == "1.2" else 500
         return Answer(reply, status)
+
+
+def _incoming(env: Envelope, now: float) -> Incoming:
+    seq = env.sequence
+    assert seq is not None
+    message_id = env.addressing.message_id or f"urn:uuid:{uuid.uuid4()}"
+    return Incoming(identifier=seq.identifier, number=seq.number, message_id=message_id,
+                    action=env.addressing.action or "", payload=env.payload, received_at=now,
+                    enqueued_at=enqueued_at(message_id), relates_to=env.addressing.relates_to,
+                    fault=env.body.reason if isinstance(env.body, SoapFault) else None)
 
 
 def _anonymous(address: str) -> bool:

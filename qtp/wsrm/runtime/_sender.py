@@ -13,6 +13,14 @@ commit. A crash anywhere therefore leaves the store at the last committed record
 is rebuilt on restart; whatever it had sent but not had acknowledged is retransmitted by its timer, and the
 destination recognises the duplicates.
 
+Transmission. Each sequence has one *pump*: the numbers the machine asks to transmit wait in it, and it
+sends them in number order, one request at a time, so a destination that discards a message arriving after
+a gap (gSOAP at its defaults) sees none. When the destination agreed to qtp's batching extension at
+CreateSequence (``SourceRecord.peer_batch``), one request carries up to that many messages; otherwise one.
+Messages just numbered are kept in memory for their first transmission and retransmissions (dropped once
+acknowledged); after a restart they are read back from the store. The retransmission timeout comes from
+the measured round-trip time of first transmissions (RFC 6298, Karn's rule).
+
 Routes: a channel's name (sequences created by this node, ``CreateSequence`` with an ``Offer`` when the
 channel is request-reply) or ``offer:<identifier>`` for a sequence a peer offered us for our replies
 (born ACTIVE when we accepted the offer; it cannot be re-created, so when it ends its unsent replies wait).
@@ -32,6 +40,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from qtp.errors import QtpError
 from qtp.wsrm.codec import (
+    BATCH_CONTENT_TYPE,
     Addressing,
     Envelope,
     InvalidMessage,
@@ -41,6 +50,7 @@ from qtp.wsrm.codec import (
     anonymous,
     decode,
     default_action,
+    encode_batch,
 )
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION, action
 from qtp.wsrm.protocol import (
@@ -117,6 +127,9 @@ class Sender:
         self._fill_lock = threading.Lock()
         self._stale: set[str] = set()  # sequences whose last store transaction ended with an error
         self._acks: dict[str, SequenceAcknowledgement] = {}  # newest acknowledgement per identifier, unapplied
+        self._pumps: dict[str, _Pump] = {}
+        self._cache: dict[str, dict[int, Outgoing]] = {}  # numbered, unacknowledged messages per sequence
+        self._rtt: dict[str, _RoundTrip] = {}
         self.wake = threading.Event()
 
     # ------------------------------------------------------------------ start-up
@@ -125,7 +138,8 @@ class Sender:
         """Rebuild every RM Source from the stores (after the node's transaction recovery)."""
         for store in self.node.distinct_stores():
             with store.local() as s:
-                saved = store.sources(s)
+                saved = [(info, _with_pending(record, store.numbered(s, record.key)))
+                         for info, record in store.sources(s)]
             for info, record in saved:
                 channel = self.node.channels.get(info.route)
                 if channel is not None and channel.peer != info.peer:
@@ -255,7 +269,7 @@ class Sender:
             machine = self._machines.get(key)
             if machine is None:
                 return
-            probe = SourceSequence(machine.record)
+            probe = SourceSequence(replace(machine.record, retransmit_interval=self._timeout(key)))
             actions: list[Any] = []
             try:
                 for event in events:
@@ -297,8 +311,8 @@ class Sender:
         store = self.node.store_for_route(info.route)
         with store.local() as s:
             saved = {record.key: record for _, record in store.sources(s)}
-        if key in saved:
-            self._machines[key] = SourceSequence(saved[key])
+            if key in saved:
+                self._machines[key] = SourceSequence(_with_pending(saved[key], store.numbered(s, key)))
         self._stale.discard(key)
         log.info("sequence %s reloaded from the store after a failed transaction", key)
 
@@ -315,6 +329,9 @@ class Sender:
             self._machines.pop(key, None)
             self._infos.pop(key, None)
             self._locks.pop(key, None)
+            self._pumps.pop(key, None)
+            self._cache.pop(key, None)
+            self._rtt.pop(key, None)
         if self._current.get(info.route) == key:
             del self._current[info.route]
         if info.route.startswith("offer:"):  # an offered sequence cannot be created again
@@ -322,20 +339,23 @@ class Sender:
         self.wake.set()
 
     def _carry_out(self, key: str, info: SourceInfo, actions: list[Any], messages: list[Outgoing]) -> None:
-        by_number: dict[int, Outgoing] = {}
         numbers = [a.number for a in actions if isinstance(a, MessageNumbered)]
-        for m, n in zip(messages, numbers):
-            by_number[n] = replace(m, key=key, number=n)
+        if messages:
+            with self._mutex:
+                cache = self._cache.setdefault(key, {})
+                for m, n in zip(messages, numbers):
+                    cache[n] = replace(m, key=key, number=n)
         metrics = self.node.metrics
+        transmits = [a for a in actions if isinstance(a, Transmit)]
+        if transmits:
+            self._queue(key, info, transmits)
         for a in actions:
-            if isinstance(a, Transmit):
-                if a.attempt > 1:
-                    metrics.retransmitted.inc()
-                self._submit(self._transmit, key, info, a, by_number.get(a.number))
-            elif isinstance(a, (SendCreateSequence, SendCloseSequence, SendTerminateSequence, SendAckRequested,
+            if isinstance(a, (MessagesAcknowledged, MessagesLost)):
+                self._uncache(key, a.ranges)
+            if isinstance(a, (SendCreateSequence, SendCloseSequence, SendTerminateSequence, SendAckRequested,
                                 SendFault)):
                 self._submit(self._control, key, info, a)
-            elif isinstance(a, MessagesAcknowledged):
+            if isinstance(a, MessagesAcknowledged):
                 metrics.acknowledged.inc(ranges.count(a.ranges))
             elif isinstance(a, OfferAccepted):
                 self.node.receiver.offer_accepted(a.identifier)
@@ -373,31 +393,105 @@ class Sender:
         return Addressing(action=act, to=info.peer, message_id=message_id or f"urn:uuid:{uuid.uuid4()}",
                           relates_to=relates_to, reply_to=reply_to)
 
-    def _transmit(self, key: str, info: SourceInfo, t: Transmit, message: Outgoing | None) -> None:
-        machine = self._machines.get(key)
-        if machine is None:
+    # ------------------------------------------------------------------ the pump
+
+    def _queue(self, key: str, info: SourceInfo, transmits: list[Transmit]) -> None:
+        """Hand ``transmits`` to the sequence's pump, starting it when it is idle."""
+        with self._mutex:
+            pump = self._pumps.setdefault(key, _Pump())
+            for t in transmits:
+                known = pump.waiting.get(t.number)
+                pump.waiting[t.number] = t if known is None or t.ack_requested else known
+            if pump.running:
+                return
+            pump.running = True
+        self._submit(self._pump, key, info, pump)
+
+    def _pump(self, key: str, info: SourceInfo, pump: "_Pump") -> None:
+        """Send what waits in ``pump``, lowest numbers first, one request at a time, until nothing waits."""
+        try:
+            while True:
+                machine = self._machines.get(key)
+                with self._mutex:
+                    if not pump.waiting or machine is None or self._pumps.get(key) is not pump:
+                        pump.running = False
+                        return
+                    size = machine.record.peer_batch if self._batching(info) else 1
+                    batch = [pump.waiting.pop(n) for n in sorted(pump.waiting)[:size]]
+                self._transmit(key, info, machine.record, batch)
+        except BaseException:
+            with self._mutex:
+                pump.running = False
+            raise
+
+    def _batching(self, info: SourceInfo) -> bool:
+        channel = self.node.channels.get(info.route)
+        return channel is None or channel.batch
+
+    def _transmit(self, key: str, info: SourceInfo, record: SourceRecord, batch: list[Transmit]) -> None:
+        """One request with the messages of ``batch`` (in number order) that are still unacknowledged."""
+        waiting = {number for number, _, _ in record.pending}
+        batch = [t for t in batch if t.number in waiting]
+        messages = self._messages(key, info, [t.number for t in batch if not t.last_message])
+        envelopes = [e for e in (self._message_envelope(key, info, record, t, messages.get(t.number))
+                                 for t in batch) if e is not None]
+        if not envelopes:
             return
-        rm = machine.record.version
-        if message is None:
+        metrics = self.node.metrics
+        metrics.sent.inc(len(envelopes))
+        metrics.retransmitted.inc(sum(1 for t in batch if t.attempt > 1))
+        metrics.batch.observe(len(envelopes))
+        began = time.monotonic()
+        answered = self._exchange(key, info, envelopes)
+        if answered and all(t.attempt == 1 for t in batch):  # Karn: a retransmission's answer is ambiguous
+            self._round_trip(key).sample(time.monotonic() - began)
+
+    def _messages(self, key: str, info: SourceInfo, numbers: list[int]) -> dict[int, Outgoing]:
+        """The stored messages of ``numbers``: from memory, else (after a restart) in one query."""
+        with self._mutex:
+            cache = self._cache.get(key, {})
+            found = {n: cache[n] for n in numbers if n in cache}
+        missing = [n for n in numbers if n not in found]
+        if missing:
             store = self.node.store_for_route(info.route)
             with store.local() as s:
-                found = store.numbered(s, key, [t.number])
-            message = found[0] if found else None
+                found.update((m.number, m) for m in store.numbered(s, key, missing) if m.number is not None)
+        return found
+
+    def _uncache(self, key: str, done: tuple[tuple[int, int], ...]) -> None:
+        with self._mutex:
+            cache = self._cache.get(key)
+            if cache:
+                for number in [n for n in cache if ranges.contains(done, n)]:
+                    del cache[number]
+
+    def _message_envelope(self, key: str, info: SourceInfo, record: SourceRecord, t: Transmit,
+                          message: Outgoing | None) -> Envelope | None:
         if message is None and not t.last_message:
-            return  # acknowledged meanwhile
-        acks = (self._ack_request(machine.record, t.identifier),) if t.ack_requested else ()
+            return None  # acknowledged meanwhile
+        rm = record.version
+        acks = (self._ack_request(record, t.identifier),) if t.ack_requested else ()
         sequence = Sequence(t.identifier, t.number, last_message=t.last_message)
         if message is None:
-            envelope = self._envelope(info, key=key, sequence=sequence, ack_requests=acks,
-                                      addressing=self._addressing(info, action(rm, "LastMessage")))
-        else:
-            act = WSA_FAULT_ACTION[WsaVersion(info.wsa)] if message.fault is not None else message.action
-            body = SoapFault("Receiver", None, message.fault) if message.fault is not None else None
-            envelope = self._envelope(info, key=key, sequence=sequence, ack_requests=acks, body=body,
-                                      payload=None if body is not None else message.payload,
-                                      addressing=self._addressing(info, act, message.message_id, message.relates_to))
-        self.node.metrics.sent.inc()
-        self._exchange(key, info, envelope)
+            return self._envelope(info, key=key, sequence=sequence, ack_requests=acks,
+                                  addressing=self._addressing(info, action(rm, "LastMessage")))
+        act = WSA_FAULT_ACTION[WsaVersion(info.wsa)] if message.fault is not None else message.action
+        body = SoapFault("Receiver", None, message.fault) if message.fault is not None else None
+        return self._envelope(info, key=key, sequence=sequence, ack_requests=acks, body=body,
+                              payload=None if body is not None else message.payload,
+                              addressing=self._addressing(info, act, message.message_id, message.relates_to))
+
+    def _round_trip(self, key: str) -> "_RoundTrip":
+        with self._mutex:
+            rtt = self._rtt.get(key)
+            if rtt is None:
+                rtt = self._rtt[key] = _RoundTrip(self.limits.retransmit_interval, self.limits.retransmit_interval_min,
+                                                  self.limits.retransmit_interval_max)
+            return rtt
+
+    def _timeout(self, key: str) -> float:
+        """The retransmission timeout of sequence ``key`` now."""
+        return self._round_trip(key).timeout
 
     def _control(self, key: str, info: SourceInfo, a: Any) -> None:
         machine = self._machines.get(key)
@@ -411,7 +505,8 @@ class Sender:
             acks_to = anonymous(WsaVersion(info.wsa))
             if channel is not None and channel.acks_to == "endpoint" and self.node.endpoint:
                 acks_to = self.node.endpoint
-            body: Any = CreateSequence(acks_to, a.expires, offer)
+            batch = self.limits.max_batch if channel is None or channel.batch else None
+            body: Any = CreateSequence(acks_to, a.expires, offer, batch)
             message_id = create_message_id(key)
         elif isinstance(a, SendCloseSequence):
             body = CloseSequence(a.identifier, a.last_msg_number)
@@ -441,20 +536,27 @@ class Sender:
             return AckRequested(identifier, max_message_number_used=record.next_number - 1)
         return AckRequested(identifier)
 
-    def _exchange(self, key: str, info: SourceInfo, envelope: Envelope) -> None:
+    def _exchange(self, key: str, info: SourceInfo, envelopes: Envelope | list[Envelope]) -> bool:
+        """POST one envelope, or several as a qtp batch; act on the answer. True when the peer answered."""
+        transport = self.node.transport
         try:
-            reply = self.node.transport.post(info.peer, wire(envelope), envelope.soap, envelope.addressing.action)
+            if isinstance(envelopes, Envelope) or len(envelopes) == 1:
+                envelope = envelopes if isinstance(envelopes, Envelope) else envelopes[0]
+                reply = transport.post(info.peer, wire(envelope), envelope.soap, envelope.addressing.action)
+            else:
+                reply = transport.post_raw(info.peer, encode_batch([wire(e) for e in envelopes]), BATCH_CONTENT_TYPE)
         except TransportError as exc:
             log.debug("%s", exc)
-            return
+            return False
         if not reply.body.strip():
-            return
+            return reply.status < 300
         try:
             answer = decode(reply.body)
         except InvalidMessage as exc:
             log.warning("unreadable answer (HTTP %d) from %s: %s", reply.status, info.peer, exc)
-            return
+            return False
         self.on_answer(answer, key)
+        return reply.status < 300
 
     def on_answer(self, answer: Envelope, key: str | None = None) -> None:
         """Whatever a peer said to our RM Sources: acknowledgements, responses, faults."""
@@ -530,3 +632,45 @@ def _merge(a: SequenceAcknowledgement, b: SequenceAcknowledgement) -> SequenceAc
     if not merged:
         return b
     return SequenceAcknowledgement(b.identifier, ranges=merged, final=a.final or b.final)
+
+
+class _Pump:
+    """The transmissions one sequence still has to make, by number, and whether a thread is sending them."""
+
+    __slots__ = ("waiting", "running")
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, Transmit] = {}
+        self.running = False
+
+
+class _RoundTrip:
+    """RFC 6298's estimator: smoothed round-trip time and its deviation give the retransmission timeout."""
+
+    __slots__ = ("srtt", "rttvar", "timeout", "low", "high")
+
+    def __init__(self, initial: float, low: float, high: float):
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        self.timeout, self.low, self.high = initial, low, high
+
+    def sample(self, rtt: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+        self.timeout = min(self.high, max(self.low, self.srtt + max(0.01, 4 * self.rttvar)))
+
+
+def _with_pending(record: SourceRecord, stored: list[Outgoing]) -> SourceRecord:
+    """``record`` with its pending numbers rebuilt from the messages still stored in its sequence (the store
+    does not keep them in the record): due at once, so a restarted node sends them again first thing."""
+    if record.state in _ENDED:
+        return record
+    numbers = {m.number for m in stored if m.number is not None}
+    if record.version is RMVersion.WSRM10 and record.complete_requested and record.last_number:
+        numbers.add(record.last_number)  # the empty LastMessage marker has no stored row
+    numbers = {n for n in numbers if not ranges.contains(record.acked, n)}
+    sent = 0 if record.state in (S.NEW, S.CREATING) else 1
+    return replace(record, pending=tuple((n, sent, 0.0) for n in sorted(numbers)))

@@ -32,7 +32,11 @@ class Limits:
       refused with a Receiver fault *before* they are stored or acknowledged, so the sender retries later.
     - ``max_attempts``: handler attempts before a message becomes a dead letter.
     - ``retry_backoff`` / ``retry_backoff_max``: seconds between handler attempts (doubling, capped).
-    - ``retransmit_interval`` / ``retransmit_interval_max``: WS-RM retransmission (doubling, capped).
+    - ``retransmit_interval``: the first retransmission timeout of a sequence, before any round trip was
+      measured; after that it is the measured round-trip time plus four deviations (RFC 6298), at least
+      ``retransmit_interval_min``; it doubles per retransmission of a message up to ``retransmit_interval_max``.
+    - ``max_batch``: messages in one request between qtp nodes (agreed at CreateSequence; other peers get
+      one message per request, always in number order).
     - ``http_timeout``: seconds to connect and to read a peer's answer.
     - ``sequence_max_messages``: a new outbound sequence starts after this many messages.
     - ``inactivity_timeout``: an inbound sequence silent this long is ended (seconds).
@@ -45,14 +49,16 @@ class Limits:
 
     max_request_bytes: int = 4 * 1024 * 1024
     max_open_sequences: int = 1000
-    max_unacknowledged: int = 256
+    max_unacknowledged: int = 1024
     max_backlog: int = 1_000_000
     max_invoker_backlog: int = 100_000
     max_attempts: int = 5
     retry_backoff: float = 0.5
     retry_backoff_max: float = 60.0
     retransmit_interval: float = 1.0
+    retransmit_interval_min: float = 0.2
     retransmit_interval_max: float = 30.0
+    max_batch: int = 256
     http_timeout: float = 10.0
     sequence_max_messages: int = MAX_MESSAGE_NUMBER
     inactivity_timeout: float = 24 * 3600.0
@@ -76,6 +82,7 @@ class ChannelSettings:
     wsa: WsaVersion = WsaVersion.WSA200508
     reply: bool = False
     acks_to: str = "anonymous"     # anonymous: acknowledgements on the HTTP response; endpoint: to our endpoint
+    batch: bool = True             # offer qtp's batching extension (several messages per request)
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ def _enum(what: str, kind: type, value: Any) -> Any:
 
 def channel_settings(name: str, table: dict[str, Any], node_store: str | None) -> ChannelSettings:
     where = f"[channels.{name}]"
-    known = {"peer", "store", "mode", "wsrm", "soap", "addressing", "reply", "acks_to"}
+    known = {"peer", "store", "mode", "wsrm", "soap", "addressing", "reply", "acks_to", "batch"}
     if not isinstance(table, dict) or set(table) - known:
         raise ConfigurationError(f"{where} takes {', '.join(sorted(known))}; got {sorted(table)}")
     if "peer" not in table:
@@ -127,16 +134,16 @@ def channel_settings(name: str, table: dict[str, Any], node_store: str | None) -
     store = table.get("store", node_store)
     if store is None and mode != "memory":
         raise ConfigurationError(f"{where} needs store = \"RESOURCE\" (or [node] store) for mode {mode!r}")
-    reply = table.get("reply", False)
-    if not isinstance(reply, bool):
-        raise ConfigurationError(f"{where} reply must be true or false")
+    reply, batch = table.get("reply", False), table.get("batch", True)
+    if not isinstance(reply, bool) or not isinstance(batch, bool):
+        raise ConfigurationError(f"{where} reply and batch must be true or false")
     acks_to = table.get("acks_to", "anonymous")
     if acks_to not in ("anonymous", "endpoint"):
         raise ConfigurationError(f"{where} acks_to must be \"anonymous\" (on the HTTP response) or \"endpoint\" "
                                  "(sent to this node's endpoint)")
     return ChannelSettings(name=name, peer=_check_url(f"{where} peer", table["peer"]), store=store, mode=mode,
                            wsrm=wsrm, soap=_enum(f"{where} soap", SoapVersion, table.get("soap", "1.2")),
-                           wsa=wsa, reply=reply, acks_to=acks_to)
+                           wsa=wsa, reply=reply, acks_to=acks_to, batch=batch)
 
 
 def limits(table: dict[str, Any]) -> Limits:

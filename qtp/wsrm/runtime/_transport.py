@@ -83,6 +83,13 @@ class Transport:
         headers = {"Content-Type": content_type(soap, action)}
         if soap is SoapVersion.SOAP11:
             headers["SOAPAction"] = f'"{action or ""}"'
+        return self._post(url, body, headers)
+
+    def post_raw(self, url: str, body: bytes, media_type: str) -> Reply:
+        """POST ``body`` as ``media_type`` (a qtp batch)."""
+        return self._post(url, body, {"Content-Type": media_type})
+
+    def _post(self, url: str, body: bytes, headers: dict[str, str]) -> Reply:
         try:
             response = self._retrying(self.session.post, url, data=body, headers=headers, timeout=self.timeout)
         except requests.RequestException as exc:

@@ -33,7 +33,11 @@ Rules every implementation keeps (tests/test_wsrm_store.py runs them on memory, 
 - ``store_incoming`` of a (identifier, number) already stored is a no-op (a retransmission) and returns
   False; ``consume`` returns False when the message was not there (already applied).
 - A record saved in a session is read back by ``sources()`` / ``destinations()`` / ``invokers()`` once
-  that session committed, and is absent if it rolled back.
+  that session committed, and is absent if it rolled back. A source record is read back without its
+  ``pending`` list: those numbers are the outgoing rows still numbered in the sequence (``numbered()``),
+  so a save writes a few hundred bytes however many messages are in flight.
+- ``store_incoming_many`` stores a batch of a sequence's messages in as few statements as the database
+  allows, skipping those already stored.
 """
 
 from __future__ import annotations
@@ -204,6 +208,10 @@ class Store(abc.ABC):
     def store_incoming(self, s: Any, message: Incoming) -> bool:
         """Store an accepted message; False (and nothing changes) when it is already stored."""
 
+    def store_incoming_many(self, s: Any, messages: list[Incoming]) -> None:
+        for message in messages:
+            self.store_incoming(s, message)
+
     @abc.abstractmethod
     def incoming(self, s: Any, identifier: str | None = None, number: int | None = None,
                  start: int | None = None, limit: int | None = None) -> list[Incoming]:
@@ -213,6 +221,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def consume(self, s: Any, identifier: str, number: int) -> bool:
         """The dequeue: delete a stored message. False when it was not there."""
+
+    def consume_many(self, s: Any, identifier: str, numbers: list[int]) -> int:
+        """``consume`` for several messages of one sequence; how many were there."""
+        return sum(1 for number in numbers if self.consume(s, identifier, number))
 
     @abc.abstractmethod
     def note_failure(self, s: Any, identifier: str, number: int, error: str, not_before: float) -> None:

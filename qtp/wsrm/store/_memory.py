@@ -89,7 +89,7 @@ class MemoryStore(Store):
         return sum(1 for m in s.outgoing.values() if route is None or m.route == route)
 
     def save_source(self, s: _Data, info: SourceInfo, record: SourceRecord) -> None:
-        s.sources[record.key] = (info, record)
+        s.sources[record.key] = (info, dataclasses.replace(record, pending=()))
 
     def sources(self, s: _Data) -> list[tuple[SourceInfo, SourceRecord]]:
         return [s.sources[key] for key in sorted(s.sources)]

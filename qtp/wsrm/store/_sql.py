@@ -15,11 +15,12 @@ Tables are created by ``create()`` outside any XA transaction (MariaDB refuses D
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from typing import Any, Iterator
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import mysql
+from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.engine import Connection, Engine
 
 from qtp.errors import ConfigurationError
@@ -178,10 +179,11 @@ class SqlStore(Store):
         return [_outgoing(row) for row in s.execute(query)]
 
     def assign(self, s: Connection, key: str, numbered: list[tuple[int, int]]) -> None:
+        """One UPDATE for the whole batch (a CASE maps each row to its number)."""
         if numbered:
-            s.execute(outgoing.update().where(outgoing.c.seq == sa.bindparam("b_seq"))
-                      .values(seq_key=key, number=sa.bindparam("b_number")),
-                      [{"b_seq": seq, "b_number": number} for seq, number in numbered])
+            numbers = dict(numbered)
+            s.execute(outgoing.update().where(outgoing.c.seq.in_(list(numbers)))
+                      .values(seq_key=key, number=sa.case(numbers, value=outgoing.c.seq)))
 
     def numbered(self, s: Connection, key: str, numbers: list[int] | None = None) -> list[Outgoing]:
         query = outgoing.select().where(outgoing.c.seq_key == key)
@@ -207,6 +209,7 @@ class SqlStore(Store):
         return int(s.execute(query).scalar_one())
 
     def save_source(self, s: Connection, info: SourceInfo, record: SourceRecord) -> None:
+        record = dataclasses.replace(record, pending=())  # rebuilt from the numbered rows (contract)
         self._upsert(s, sources, {"seq_key": record.key},
                      {"info": _dump(_fields(info)), "record": _dump(to_row(record))})
 
@@ -238,6 +241,21 @@ class SqlStore(Store):
         s.execute(incoming.insert(), {f: getattr(message, f) for f in _INCOMING_FIELDS})
         return True
 
+    def store_incoming_many(self, s: Connection, messages: list[Incoming]) -> None:
+        """One multi-row INSERT that skips rows already stored (the primary key is (identifier, number))."""
+        if not messages:
+            return
+        if s.dialect.name == "postgresql":
+            statement: Any = postgresql.insert(incoming).on_conflict_do_nothing()
+        elif s.dialect.name in ("mysql", "mariadb"):
+            statement = mysql.insert(incoming)
+            statement = statement.on_duplicate_key_update(identifier=statement.inserted.identifier)
+        else:
+            for message in messages:
+                self.store_incoming(s, message)
+            return
+        s.execute(statement, [{f: getattr(m, f) for f in _INCOMING_FIELDS} for m in messages])
+
     def incoming(self, s: Connection, identifier: str | None = None, number: int | None = None,
                  start: int | None = None, limit: int | None = None) -> list[Incoming]:
         query = incoming.select().order_by(incoming.c.identifier, incoming.c.number)
@@ -255,6 +273,12 @@ class SqlStore(Store):
         result = s.execute(incoming.delete().where(incoming.c.identifier == identifier,
                                                    incoming.c.number == number))
         return result.rowcount == 1
+
+    def consume_many(self, s: Connection, identifier: str, numbers: list[int]) -> int:
+        if not numbers:
+            return 0
+        return s.execute(incoming.delete().where(incoming.c.identifier == identifier,
+                                                 incoming.c.number.in_(numbers))).rowcount
 
     def note_failure(self, s: Connection, identifier: str, number: int, error: str, not_before: float) -> None:
         s.execute(incoming.update().where(incoming.c.identifier == identifier, incoming.c.number == number)
