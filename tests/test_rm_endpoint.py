@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -17,7 +18,18 @@ import sqlalchemy as sa
 import qtp
 from qtp.embedded import free_port
 from qtp.errors import BacklogFullError, ConfigurationError
-from qtp.wsrm.codec import Addressing, Envelope, SoapVersion, WsaVersion, decode, default_action, encode
+from qtp.testing.nodes import counter
+from qtp.wsrm.codec import (
+    BATCH_CONTENT_TYPE,
+    Addressing,
+    Envelope,
+    SoapVersion,
+    WsaVersion,
+    decode,
+    default_action,
+    encode,
+    encode_batch,
+)
 from qtp.wsrm.codec import EncodingError
 from qtp.wsrm.protocol import (
     AckRequested,
@@ -68,8 +80,7 @@ def node(pg_db, tmp_path):
 
 
 def _post(n: Node, envelope: Envelope) -> tuple[int, Envelope | None]:
-    envelope = dataclasses.replace(envelope, addressing=dataclasses.replace(
-        envelope.addressing, action=envelope.addressing.action or default_action(envelope)))
+    envelope = _with_action(envelope)
     r = requests.post(n.endpoint, data=encode(envelope), timeout=10,
                       headers={"Content-Type": content_type(envelope.soap, envelope.addressing.action)})
     return r.status_code, (decode(r.content) if r.content else None)
@@ -204,3 +215,65 @@ def test_metrics_are_served(node):
     assert 'qtp_messages_received_total{node="' in text and "qtp_sequences_open" in text
     line = next(x for x in text.splitlines() if x.startswith("qtp_messages_received_total"))
     assert line.endswith(" 1.0")
+
+
+# ---------------------------------------------------------------------------------------- the transfer path
+
+
+def _stored_commits(n: Node) -> tuple[float, float]:
+    """(local commits that stored messages, messages they stored), from the node's /metrics."""
+    url = n.endpoint.replace("/rm", "/metrics")
+    return counter(url, "qtp_store_messages_count") or 0.0, counter(url, "qtp_store_messages_sum") or 0.0
+
+
+def test_concurrent_requests_of_one_sequence_share_commits(node):
+    """Group commit: 16 clients post one sequence's 320 messages one per request at once; each request is
+    acknowledged with its own number, every message is stored once, and in fewer commits than messages."""
+    n, url = node()
+    identifier = _create(n)
+
+    def post(number: int) -> bool:
+        status, answer = _post(n, _message(identifier, number))
+        return status == 200 and any(lo <= number <= hi for ack in answer.acks for lo, hi in ack.ranges)
+
+    with ThreadPoolExecutor(16) as pool:
+        acknowledged = list(pool.map(post, range(1, 321)))
+    assert all(acknowledged)
+    assert _store_counts(url)[0] == 320
+    commits, stored = _stored_commits(n)
+    assert stored == 320 and commits < 320, (commits, stored)
+
+
+def test_a_qtp_batch_is_stored_in_one_commit_and_acknowledged_in_one_answer(node):
+    n, url = node(max_batch=8)
+    status, answer = _post(n, _env(CreateSequence(ANON, batch=500)))
+    assert answer.body.batch == 8  # the smaller of the two
+    identifier = answer.body.identifier
+    parts = [encode(_with_action(_message(identifier, k))) for k in (1, 2, 3)]
+    r = requests.post(n.endpoint, data=encode_batch(parts), headers={"Content-Type": BATCH_CONTENT_TYPE}, timeout=10)
+    assert r.status_code == 200
+    assert decode(r.content).acks[0].ranges == ((1, 3),)
+    assert _store_counts(url)[0] == 3 and _stored_commits(n) == (1.0, 3.0)
+
+
+@pytest.mark.parametrize("body", [b"QTP-BATCH/1\n99\n<a/>", b"QTP-BATCH/1\nx\n", b"QTP-BATCH/2\n4\n<a/>",
+                                  b"QTP-BATCH/1\n"])
+def test_a_broken_batch_gets_a_sender_fault_and_stores_nothing(node, body):
+    n, url = node()
+    r = requests.post(n.endpoint, data=body, headers={"Content-Type": BATCH_CONTENT_TYPE}, timeout=10)
+    assert r.status_code == 400 and b"unreadable qtp batch" in r.content
+    assert _store_counts(url) == (0, 0, 0)
+
+
+def test_a_batch_over_the_agreed_size_is_refused(node):
+    n, url = node(max_batch=2)
+    identifier = _create(n)
+    parts = [encode(_with_action(_message(identifier, k))) for k in (1, 2, 3)]
+    r = requests.post(n.endpoint, data=encode_batch(parts), headers={"Content-Type": BATCH_CONTENT_TYPE}, timeout=10)
+    assert r.status_code == 400 and b"more than 2 envelopes" in r.content
+    assert _store_counts(url)[0] == 0
+
+
+def _with_action(envelope: Envelope) -> Envelope:
+    return dataclasses.replace(envelope, addressing=dataclasses.replace(
+        envelope.addressing, action=envelope.addressing.action or default_action(envelope)))

@@ -12,6 +12,7 @@ from lxml import etree
 from qtp.wsrm.codec import COMBINATIONS, Addressing, Envelope, SoapVersion, Validator, anonymous, default_action
 from qtp.wsrm.protocol import (
     FAULT_VERSIONS,
+    MAX_BATCH,
     MAX_MESSAGE_NUMBER,
     AckRequested,
     CloseSequence,
@@ -64,6 +65,7 @@ identifiers = st.one_of(
 addresses = st.from_regex(r"https?://[a-z]{1,12}(:[0-9]{2,4})?/[a-zA-Z0-9/_.-]{0,30}", fullmatch=True)
 numbers = st.integers(1, MAX_MESSAGE_NUMBER)
 durations = st.none() | st.integers(0, 10**11).map(lambda ms: ms / 1000)
+batches = st.none() | st.integers(1, MAX_BATCH)  # qtp's batching extension
 behaviors = st.none() | st.sampled_from(list(IncompleteSequenceBehavior))
 texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=60)
 
@@ -98,10 +100,10 @@ def bodies(draw: st.DrawFn, rm: RMVersion) -> object:
     if kind == "create":
         offer = draw(st.none() | st.builds(
             Offer, identifiers, addresses if v11 else st.none(), durations, behaviors if v11 else st.none()))
-        return CreateSequence(draw(addresses), draw(durations), offer)
+        return CreateSequence(draw(addresses), draw(durations), offer, draw(batches))
     if kind == "created":
         return CreateSequenceResponse(identifier, draw(durations), draw(behaviors) if v11 else None,
-                                      draw(st.none() | addresses))
+                                      draw(st.none() | addresses), draw(batches))
     if kind == "terminate":
         return TerminateSequence(identifier, draw(st.none() | numbers) if v11 else None)
     if kind == "close":
@@ -156,6 +158,8 @@ def every_kind(rm: RMVersion) -> dict[str, object]:
         "CreateSequenceResponse": CreateSequenceResponse(
             "urn:uuid:seq", 3600.0, IncompleteSequenceBehavior.NO_DISCARD if v11 else None),
         "CreateSequenceResponse+Accept": CreateSequenceResponse("urn:uuid:seq", None, None, "http://server/acks"),
+        "CreateSequence+qtpBatch": CreateSequence("http://client/acks", None, None, batch=256),  # qtp extension
+        "CreateSequenceResponse+qtpBatch": CreateSequenceResponse("urn:uuid:seq", batch=64),
         "TerminateSequence": TerminateSequence("urn:uuid:seq", 10 if v11 else None),
         "Sequence": Sequence("urn:uuid:seq", 1),
         "SequenceAcknowledgement": SequenceAcknowledgement("urn:uuid:seq", ((1, 4), (6, 6))),
