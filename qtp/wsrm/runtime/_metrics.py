@@ -2,19 +2,55 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+# Per channel, read when /metrics is scraped: name -> help text. The values come from the node's
+# ``channel_stats()``: {channel: {name: value}}.
+CHANNEL_GAUGES = {
+    "in_flight": "Messages of the channel sent and not yet acknowledged",
+    "round_trip_seconds": "Smoothed round-trip time of the channel's current sequence (RFC 6298)",
+    "retransmission_timeout_seconds": "Retransmission timeout of the channel's current sequence",
+    "backlog": "Messages of the channel enqueued and not yet acknowledged (numbered or not)",
+    "oldest_message_age_seconds": "Age of the channel's oldest unacknowledged message",
+}
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
+class _Channels(Collector):
+    """The per-channel gauges, computed at scrape time."""
+
+    def __init__(self, node_id: str, stats: Callable[[], dict[str, dict[str, float]]]):
+        self.node_id = node_id
+        self.stats = stats
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """The names alone (so registering reads nothing)."""
+        for name, doc in CHANNEL_GAUGES.items():
+            yield GaugeMetricFamily(f"qtp_channel_{name}", doc, labels=["node", "channel"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        values = self.stats()
+        for name, doc in CHANNEL_GAUGES.items():
+            family = GaugeMetricFamily(f"qtp_channel_{name}", doc, labels=["node", "channel"])
+            for channel, stats in sorted(values.items()):
+                if stats.get(name) is not None:
+                    family.add_metric([self.node_id, channel], stats[name])
+            yield family
+
+
 class Metrics:
-    def __init__(self, node_id: str, open_sequences: Callable[[], float], backlog: Callable[[], float]):
+    def __init__(self, node_id: str, open_sequences: Callable[[], float], backlog: Callable[[], float],
+                 channel_stats: Callable[[], dict[str, dict[str, float]]] | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"node": node_id}
+        self.node_id = node_id
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"qtp_messages_{name}", doc, labelnames=["node"], registry=self.registry).labels(**labels)
@@ -39,6 +75,22 @@ class Metrics:
         self.stored_batch = Histogram("qtp_store_messages", "Inbound messages stored per local commit",
                                       labelnames=["node"], buckets=BATCH_BUCKETS,
                                       registry=self.registry).labels(**labels)
+
+        self._retransmissions = Counter("qtp_channel_retransmissions", "Application messages transmitted again",
+                                        labelnames=["node", "channel"], registry=self.registry)
+        self._requests = Histogram("qtp_channel_request_messages", "Application messages per request sent",
+                                   labelnames=["node", "channel"], buckets=BATCH_BUCKETS, registry=self.registry)
+        if channel_stats is not None:
+            self.registry.register(_Channels(node_id, channel_stats))
+
+    def transmitted(self, channel: str, messages: int, retransmitted: int) -> None:
+        """One request of ``channel`` carried ``messages`` application messages, ``retransmitted`` of them again."""
+        self.sent.inc(messages)
+        self.batch.observe(messages)
+        self._requests.labels(self.node_id, channel).observe(messages)
+        if retransmitted:
+            self.retransmitted.inc(retransmitted)
+            self._retransmissions.labels(self.node_id, channel).inc(retransmitted)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

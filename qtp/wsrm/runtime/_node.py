@@ -67,7 +67,8 @@ class Node:
         self.receiver = Receiver(self)
         self.invoker = Invoker(self)
         self.sender = Sender(self)
-        self.metrics = Metrics(manager.node_id, self.receiver.open_sequences, self.invoker.backlog)
+        self.metrics = Metrics(manager.node_id, self.receiver.open_sequences, self.invoker.backlog,
+                               self.channel_stats)
         self.wsgi = Endpoint(self)
         self.started = False
         self._stopping = threading.Event()
@@ -199,6 +200,24 @@ class Node:
                 f"channel {channel!r} has {count} messages waiting ([limits] max_backlog = "
                 f"{self.limits.max_backlog}); the peer at {settings.peer} is slow or down: retry later"
             )
+
+    def channel_stats(self) -> dict[str, dict[str, float]]:
+        """For /metrics: per channel, the sender's view and the stores' backlog and oldest message."""
+        stats = self.sender.channel_stats()
+        now = time.time()
+        for store in self.distinct_stores():
+            try:
+                with store.local() as s:
+                    outgoing = store.summary(s).outgoing
+            except Exception as exc:  # the store is down: the scrape still answers, without these
+                log.debug("channel backlog not read: %s", exc)
+                continue
+            for (route, _), (count, oldest) in outgoing.items():
+                entry = stats.setdefault("offer" if route.startswith("offer:") else route, {"in_flight": 0.0})
+                entry["backlog"] = entry.get("backlog", 0.0) + count
+                age = max(0.0, now - oldest)
+                entry["oldest_message_age_seconds"] = max(entry.get("oldest_message_age_seconds", 0.0), age)
+        return stats
 
     # ------------------------------------------------------------------ running
 

@@ -437,10 +437,7 @@ class Sender:
                                  for t in batch) if e is not None]
         if not envelopes:
             return
-        metrics = self.node.metrics
-        metrics.sent.inc(len(envelopes))
-        metrics.retransmitted.inc(sum(1 for t in batch if t.attempt > 1))
-        metrics.batch.observe(len(envelopes))
+        self.node.metrics.transmitted(_channel(info.route), len(envelopes), sum(1 for t in batch if t.attempt > 1))
         began = time.monotonic()
         answered = self._exchange(key, info, envelopes)
         if answered and all(t.attempt == 1 for t in batch):  # Karn: a retransmission's answer is ambiguous
@@ -613,6 +610,19 @@ class Sender:
 
     # ------------------------------------------------------------------ status and shutdown
 
+    def channel_stats(self) -> dict[str, dict[str, float]]:
+        """Per channel (offered reply sequences under ``offer``): in flight, round-trip time and timeout."""
+        stats: dict[str, dict[str, float]] = {}
+        with self._mutex:
+            for key, machine in self._machines.items():
+                entry = stats.setdefault(_channel(self._infos[key].route), {"in_flight": 0.0})
+                entry["in_flight"] += len(machine.record.pending)
+                rtt = self._rtt.get(key)
+                if rtt is not None and rtt.srtt is not None and self._current.get(self._infos[key].route) == key:
+                    entry["round_trip_seconds"] = rtt.srtt
+                    entry["retransmission_timeout_seconds"] = rtt.timeout
+        return stats
+
     def snapshot(self) -> list[tuple[SourceInfo, SourceRecord]]:
         with self._mutex:
             return [(self._infos[k], m.record) for k, m in self._machines.items()]
@@ -632,6 +642,11 @@ def _merge(a: SequenceAcknowledgement, b: SequenceAcknowledgement) -> SequenceAc
     if not merged:
         return b
     return SequenceAcknowledgement(b.identifier, ranges=merged, final=a.final or b.final)
+
+
+def _channel(route: str) -> str:
+    """The channel a route belongs to, for metrics (every offered reply sequence counts as ``offer``)."""
+    return "offer" if route.startswith("offer:") else route
 
 
 class _Pump:

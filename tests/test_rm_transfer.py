@@ -1,0 +1,152 @@
+"""The transfer path between two nodes in this process: in-order requests, batches, measured timeouts, and
+the per-channel metrics that show them."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import qtp
+from qtp.embedded import free_port
+from qtp.testing.nodes import counter, wait_until
+from qtp.wsrm.runtime import Limits, Node, NodeSettings
+from qtp.wsrm.runtime._sender import _RoundTrip
+from qtp.wsrm.runtime._settings import ChannelSettings
+
+ACTION = "urn:qtp:test/item"
+
+
+def _receiver(url: str, logs: Path, arrivals: list[int], applied: list[int]) -> Node:
+    """A node on ``url``'s database that records the message numbers of its requests as they arrive (before
+    anything is stored) and of its applies."""
+    tm = qtp.TransactionManager(f"r-{uuid.uuid4().hex[:6]}", logs, recovery_interval=None)
+    tm.add_resource("app", url)
+    node = Node(tm, NodeSettings(endpoint=f"http://127.0.0.1:{free_port()}/rm", store="app"))
+    lock = threading.Lock()
+    handle, handle_batch = node.receiver.handle, node.receiver.handle_batch
+
+    def spy(env):
+        if env.sequence is not None:
+            with lock:
+                arrivals.append(env.sequence.number)
+        return handle(env)
+
+    def spy_batch(envs):
+        with lock:
+            arrivals.extend(env.sequence.number for env in envs)
+        return handle_batch(envs)
+
+    node.receiver.handle, node.receiver.handle_batch = spy, spy_batch
+
+    @node.handler(ACTION)
+    def record(tx, message):
+        with lock:
+            applied.append(int(message.payload.decode()[3:-4]))
+
+    return node.start()
+
+
+@pytest.fixture
+def pair(pg_db, tmp_path):
+    """Factory: pair(batch) -> (sender node, receiver node, arrivals, applied), both closed at the end."""
+    made: list[Node] = []
+
+    def make(batch: bool) -> tuple[Node, Node, list[int], list[int]]:
+        arrivals: list[int] = []
+        applied: list[int] = []
+        receiver = _receiver(pg_db("receiver"), tmp_path / "receiver", arrivals, applied)
+        tm = qtp.TransactionManager(f"s-{uuid.uuid4().hex[:6]}", tmp_path / "logs", recovery_interval=None)
+        tm.add_resource("app", pg_db("sender"))
+        channel = ChannelSettings("out", peer=receiver.endpoint, store="app", batch=batch)
+        sender = Node(tm, NodeSettings(endpoint=f"http://127.0.0.1:{free_port()}/rm", store="app",
+                                       channels={"out": channel})).start()
+        made.extend([sender, receiver])
+        return sender, receiver, arrivals, applied
+
+    yield make
+    qtp.install(None)
+    for node in made:
+        node.close()
+
+
+def _send(sender: Node, count: int) -> None:
+    """``count`` messages committed at once, from 8 threads."""
+    qtp.install(sender.manager)
+
+    def send(start: int) -> None:
+        for i in range(start, count, 8):
+            with qtp.transaction() as tx:
+                tx.send("out", f"<i>{i}</i>".encode(), action=ACTION)
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _first_arrivals(arrivals: list[int]) -> list[int]:
+    """The numbers in the order of their first arrival (a retransmission may follow a later first send)."""
+    return list(dict.fromkeys(arrivals))
+
+
+def _metric(node: Node, name: str) -> float | None:
+    return counter(node.endpoint.replace("/rm", "/metrics"), name)
+
+
+def test_a_peer_without_batching_gets_one_request_at_a_time_in_number_order(pair):
+    """What a strict destination (gSOAP at its defaults discards a message that arrives after a gap) needs:
+    the first transmissions of a sequence arrive in number order, one message per request."""
+    sender, _, arrivals, applied = pair(batch=False)
+    _send(sender, 120)
+    wait_until(lambda: len(applied) == 120, 60, "120 messages applied")
+    assert _first_arrivals(arrivals) == list(range(1, 121)), arrivals[:130]
+    assert _metric(sender, "qtp_channel_request_messages_sum") == _metric(sender, "qtp_channel_request_messages_count")
+
+
+def test_between_qtp_nodes_messages_travel_in_batches_and_the_channel_shows_its_state(pair):
+    sender, receiver, arrivals, applied = pair(batch=True)
+    _send(sender, 400)
+    wait_until(lambda: len(applied) == 400, 60, "400 messages applied")
+    assert sorted(applied) == list(range(400))
+    assert _first_arrivals(arrivals) == list(range(1, 401))  # batches too go in number order
+    requests, messages = (_metric(sender, f"qtp_channel_request_messages_{x}") for x in ("count", "sum"))
+    assert messages == 400 and requests is not None and requests < 400, (requests, messages)
+    assert (_metric(receiver, "qtp_store_messages_count") or 0) < 400
+    assert 0 < (_metric(sender, "qtp_channel_round_trip_seconds") or 0) < 5
+    wait_until(lambda: _metric(sender, "qtp_channel_backlog") in (None, 0.0), 10, "nothing left unacknowledged")
+
+
+def test_the_channel_metrics_show_what_waits_for_an_unreachable_peer(pg_db, tmp_path):
+    tm = qtp.TransactionManager(f"s-{uuid.uuid4().hex[:6]}", tmp_path / "logs", recovery_interval=None)
+    tm.add_resource("app", pg_db("sender"))
+    channel = ChannelSettings("out", peer=f"http://127.0.0.1:{free_port()}/rm", store="app")
+    sender = Node(tm, NodeSettings(endpoint=f"http://127.0.0.1:{free_port()}/rm", store="app",
+                                   channels={"out": channel}, limits=Limits(http_timeout=1))).start()
+    try:
+        _send(sender, 3)
+        time.sleep(1.0)
+        assert _metric(sender, "qtp_channel_backlog") == 3
+        assert (_metric(sender, "qtp_channel_oldest_message_age_seconds") or 0) >= 0.9
+    finally:
+        qtp.install(None)
+        sender.close()
+
+
+def test_the_retransmission_timeout_follows_rfc_6298():
+    rtt = _RoundTrip(initial=1.0, low=0.2, high=30.0)
+    assert rtt.timeout == 1.0  # nothing measured yet
+    rtt.sample(0.1)
+    assert (rtt.srtt, rtt.rttvar, rtt.timeout) == (0.1, 0.05, 0.30000000000000004)
+    rtt.sample(0.3)
+    assert rtt.srtt == pytest.approx(0.125) and rtt.rttvar == pytest.approx(0.0875)
+    assert rtt.timeout == pytest.approx(0.475)
+    for _ in range(50):
+        rtt.sample(0.001)
+    assert rtt.timeout == 0.2  # never below the floor
+    rtt.sample(100.0)
+    assert rtt.timeout == 30.0  # nor above the ceiling
