@@ -12,10 +12,11 @@ import pytest
 
 import qtp
 from qtp.embedded import free_port
+from qtp.errors import ConfigurationError
 from qtp.testing.nodes import counter, wait_until
 from qtp.wsrm.runtime import Limits, Node, NodeSettings
 from qtp.wsrm.runtime._sender import _RoundTrip
-from qtp.wsrm.runtime._settings import ChannelSettings
+from qtp.wsrm.runtime._settings import ChannelSettings, node_settings
 
 ACTION = "urn:qtp:test/item"
 
@@ -55,13 +56,13 @@ def pair(pg_db, tmp_path):
     """Factory: pair(batch) -> (sender node, receiver node, arrivals, applied), both closed at the end."""
     made: list[Node] = []
 
-    def make(batch: bool) -> tuple[Node, Node, list[int], list[int]]:
+    def make(batch: bool, lanes: int = 1) -> tuple[Node, Node, list[int], list[int]]:
         arrivals: list[int] = []
         applied: list[int] = []
         receiver = _receiver(pg_db("receiver"), tmp_path / "receiver", arrivals, applied)
         tm = qtp.TransactionManager(f"s-{uuid.uuid4().hex[:6]}", tmp_path / "logs", recovery_interval=None)
         tm.add_resource("app", pg_db("sender"))
-        channel = ChannelSettings("out", peer=receiver.endpoint, store="app", batch=batch)
+        channel = ChannelSettings("out", peer=receiver.endpoint, store="app", batch=batch, lanes=lanes)
         sender = Node(tm, NodeSettings(endpoint=f"http://127.0.0.1:{free_port()}/rm", store="app",
                                        channels={"out": channel})).start()
         made.extend([sender, receiver])
@@ -73,14 +74,14 @@ def pair(pg_db, tmp_path):
         node.close()
 
 
-def _send(sender: Node, count: int) -> None:
-    """``count`` messages committed at once, from 8 threads."""
+def _send(sender: Node, count: int, keys: int = 0) -> None:
+    """``count`` messages committed at once, from 8 threads; with ``keys``, message i has key i % keys."""
     qtp.install(sender.manager)
 
     def send(start: int) -> None:
         for i in range(start, count, 8):
             with qtp.transaction() as tx:
-                tx.send("out", f"<i>{i}</i>".encode(), action=ACTION)
+                tx.send("out", f"<i>{i}</i>".encode(), action=ACTION, key=f"k{i % keys}" if keys else None)
 
     threads = [threading.Thread(target=send, args=(k,)) for k in range(8)]
     for t in threads:
@@ -121,6 +122,21 @@ def test_between_qtp_nodes_messages_travel_in_batches_and_the_channel_shows_its_
     wait_until(lambda: _metric(sender, "qtp_channel_backlog") in (None, 0.0), 10, "nothing left unacknowledged")
 
 
+def test_lanes_keep_each_keys_order_and_spread_keys_over_sequences(pair):
+    """Ten keys over four lanes: each key's messages are applied in commit order, and more than one
+    sequence carries them (the keys are spread)."""
+    sender, receiver, _, applied = pair(batch=True, lanes=4)
+    qtp.install(sender.manager)
+    for i in range(300):
+        with qtp.transaction() as tx:
+            tx.send("out", f"<i>{i}</i>".encode(), action=ACTION, key=f"k{i % 10}")
+    wait_until(lambda: len(applied) == 300, 60, "300 messages applied")
+    for key in range(10):
+        mine = [i for i in applied if i % 10 == key]
+        assert mine == sorted(mine), (key, mine)
+    assert receiver.receiver.open_sequences() >= 2
+
+
 def test_the_channel_metrics_show_what_waits_for_an_unreachable_peer(pg_db, tmp_path):
     tm = qtp.TransactionManager(f"s-{uuid.uuid4().hex[:6]}", tmp_path / "logs", recovery_interval=None)
     tm.add_resource("app", pg_db("sender"))
@@ -150,3 +166,28 @@ def test_the_retransmission_timeout_follows_rfc_6298():
     assert rtt.timeout == 0.2  # never below the floor
     rtt.sample(100.0)
     assert rtt.timeout == 30.0  # nor above the ceiling
+
+
+@pytest.mark.parametrize(("table", "message"), [
+    ({"lanes": 0}, "lanes must be a whole number from 1 to 64"),
+    ({"lanes": 65}, "lanes must be a whole number"),
+    ({"lanes": True}, "lanes must be a whole number"),
+    ({"batch": "yes"}, "reply and batch must be true or false"),
+])
+def test_channel_settings_refuse_bad_lanes_and_batch(table, message):
+    channel = {"peer": "http://127.0.0.1:1/rm", **table}
+    with pytest.raises(ConfigurationError, match=message):
+        node_settings({"node": {"store": "app"}, "channels": {"out": channel}}, {"app"})
+
+
+def test_a_channel_name_cannot_look_like_a_lane():
+    with pytest.raises(ConfigurationError, match="cannot contain '#'"):
+        node_settings({"node": {"store": "app"}, "channels": {"a#1": {"peer": "http://h/rm"}}}, {"app"})
+
+
+def test_keys_choose_lanes_stably():
+    channel = ChannelSettings("orders", peer="http://h/rm", lanes=4)
+    assert channel.routes() == ["orders", "orders#1", "orders#2", "orders#3"]
+    assert channel.route_for(None) == "orders"
+    assert {channel.route_for(f"customer-{i}") for i in range(100)} == set(channel.routes())
+    assert channel.route_for("customer-7") == channel.route_for("customer-7")

@@ -252,11 +252,14 @@ class Transaction:
         self._check_active("register an on-commit callback")
         self._on_commit.append(callback)
 
-    def send(self, channel: str, payload: bytes, action: str, message_id: str | None = None) -> str:
+    def send(self, channel: str, payload: bytes, action: str, message_id: str | None = None,
+             key: str | None = None) -> str:
         """Enqueue a message on ``channel``, atomically with this transaction; returns its MessageID.
 
         The message exists if and only if this transaction commits; the node's sender then delivers it
         reliably (WS-ReliableMessaging). Needs a node with channels (``[channels.NAME]`` in qtp.toml).
+        Messages with the same ``key`` are applied in commit order; on a channel with ``lanes > 1``,
+        different keys may overtake each other; messages without a key share lane 0.
         """
         node = getattr(self.manager, "node", None)
         if node is None:
@@ -264,7 +267,7 @@ class Transaction:
                 f"tx.send({channel!r}, ...): node {self.manager.node_id!r} has no channels; add a "
                 f"[channels.{channel}] table (peer, store) to its qtp.toml, or build a qtp.Node"
             )
-        return node.send(self, channel, payload, action=action, message_id=message_id)
+        return node.send(self, channel, payload, action=action, message_id=message_id, key=key)
 
     def _run_on_commit(self) -> None:
         for callback in self._on_commit:

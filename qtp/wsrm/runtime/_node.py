@@ -38,7 +38,14 @@ from qtp.wsrm.runtime._invoker import Invoker, Message
 from qtp.wsrm.runtime._metrics import Metrics
 from qtp.wsrm.runtime._receiver import Receiver, new_message_id
 from qtp.wsrm.runtime._sender import Sender
-from qtp.wsrm.runtime._settings import ChannelSettings, Limits, NodeSettings, check, node_settings
+from qtp.wsrm.runtime._settings import (
+    ChannelSettings,
+    Limits,
+    NodeSettings,
+    channel_name,
+    check,
+    node_settings,
+)
 from qtp.wsrm.runtime._transport import Transport, TransportError, wire
 from qtp.wsrm.store import Buffered, DestinationInfo, MemoryStore, Outgoing, SqlStore, Store
 
@@ -123,7 +130,7 @@ class Node:
         return self._stores[key]
 
     def store_for_route(self, route: str) -> Store:
-        channel = self.channels.get(route)
+        channel = self.channels.get(channel_name(route))
         if channel is None:
             return self.inbound_store
         return self.store_for(channel.store, channel.mode)
@@ -156,11 +163,17 @@ class Node:
 
     def handler_for(self, message: Message, info: DestinationInfo | None) -> Handler | None:
         if info is not None and info.channel is not None:
-            return self.reply_handlers.get(info.channel)
+            return self.reply_handlers.get(channel_name(info.channel))
         return self.handlers.get(message.action)
 
-    def send(self, tx: Any, channel: str, payload: bytes | str, action: str, message_id: str | None = None) -> str:
-        """Enqueue ``payload`` on ``channel`` inside transaction ``tx`` (see ``Transaction.send``)."""
+    def routes(self) -> list[str]:
+        """Every route of the node's channels (one per lane)."""
+        return [route for channel in self.channels.values() for route in channel.routes()]
+
+    def send(self, tx: Any, channel: str, payload: bytes | str, action: str, message_id: str | None = None,
+             key: str | None = None) -> str:
+        """Enqueue ``payload`` on ``channel`` inside transaction ``tx`` (see ``Transaction.send``); messages
+        with the same ``key`` travel in one lane, in commit order."""
         settings = self.channels.get(channel)
         if settings is None:
             known = ", ".join(sorted(self.channels)) or "none"
@@ -175,7 +188,7 @@ class Node:
                                      f"{self.limits.max_request_bytes - 4096} ([limits] max_request_bytes)")
         self._check_backlog(channel, settings)
         now = time.time()
-        message = Outgoing(route=channel, message_id=message_id or new_message_id(now), action=action,
+        message = Outgoing(route=settings.route_for(key), message_id=message_id or new_message_id(now), action=action,
                            payload=payload, enqueued_at=now)
         store = self.store_for(settings.store, settings.mode)
         if settings.mode == "xa":
@@ -193,7 +206,7 @@ class Node:
         if now - checked_at > 1.0 or count >= self.limits.max_backlog:
             store = self.store_for(settings.store, settings.mode)
             with store.local() as s:
-                count = store.backlog(s, channel)
+                count = sum(store.backlog(s, route) for route in settings.routes())
             self._backlog[channel] = (now, count)
         if count >= self.limits.max_backlog:
             raise BacklogFullError(
@@ -213,7 +226,8 @@ class Node:
                 log.debug("channel backlog not read: %s", exc)
                 continue
             for (route, _), (count, oldest) in outgoing.items():
-                entry = stats.setdefault("offer" if route.startswith("offer:") else route, {"in_flight": 0.0})
+                entry = stats.setdefault("offer" if route.startswith("offer:") else channel_name(route),
+                                         {"in_flight": 0.0})
                 entry["backlog"] = entry.get("backlog", 0.0) + count
                 age = max(0.0, now - oldest)
                 entry["oldest_message_age_seconds"] = max(entry.get("oldest_message_age_seconds", 0.0), age)

@@ -92,6 +92,7 @@ from qtp.wsrm.protocol import (
     Transmit,
 )
 from qtp.wsrm.protocol import _ranges as ranges
+from qtp.wsrm.runtime._settings import channel_name
 from qtp.wsrm.runtime._transport import TransportError, wire
 from qtp.wsrm.store import Outgoing, SourceInfo, Store
 
@@ -141,7 +142,7 @@ class Sender:
                 saved = [(info, _with_pending(record, store.numbered(s, record.key)))
                          for info, record in store.sources(s)]
             for info, record in saved:
-                channel = self.node.channels.get(info.route)
+                channel = self.node.channels.get(channel_name(info.route))
                 if channel is not None and channel.peer != info.peer:
                     info = replace(info, peer=channel.peer)  # the configuration moved the peer
                 self._adopt(info, record)
@@ -185,7 +186,7 @@ class Sender:
         except (QtpError, SQLAlchemyError) as exc:  # the store is down: the peer acknowledges again later
             log.warning("acknowledgements not applied now: %s", exc)
         with self._fill_lock:
-            for route in [*self.node.channels, *self._offer_routes]:
+            for route in [*self.node.routes(), *self._offer_routes]:
                 try:
                     self._fill(route, now)
                 except (QtpError, SQLAlchemyError) as exc:
@@ -243,7 +244,7 @@ class Sender:
         return self._create(route, now)
 
     def _create(self, route: str, now: float) -> str:
-        channel = self.node.channels[route]
+        channel = self.node.channels[channel_name(route)]
         key = uuid.uuid4().hex
         offer = f"urn:uuid:{uuid.uuid4()}" if channel.reply else None
         record = SourceRecord(key=key, version=channel.wsrm, retransmit_interval=self.limits.retransmit_interval,
@@ -425,7 +426,7 @@ class Sender:
             raise
 
     def _batching(self, info: SourceInfo) -> bool:
-        channel = self.node.channels.get(info.route)
+        channel = self.node.channels.get(channel_name(info.route))
         return channel is None or channel.batch
 
     def _transmit(self, key: str, info: SourceInfo, record: SourceRecord, batch: list[Transmit]) -> None:
@@ -498,7 +499,7 @@ class Sender:
             offer = None
             if a.offer_identifier is not None:
                 offer = Offer(a.offer_identifier, endpoint=self.node.endpoint if rm is RMVersion.WSRM11 else None)
-            channel = self.node.channels.get(info.route)
+            channel = self.node.channels.get(channel_name(info.route))
             acks_to = anonymous(WsaVersion(info.wsa))
             if channel is not None and channel.acks_to == "endpoint" and self.node.endpoint:
                 acks_to = self.node.endpoint
@@ -646,7 +647,7 @@ def _merge(a: SequenceAcknowledgement, b: SequenceAcknowledgement) -> SequenceAc
 
 def _channel(route: str) -> str:
     """The channel a route belongs to, for metrics (every offered reply sequence counts as ``offer``)."""
-    return "offer" if route.startswith("offer:") else route
+    return "offer" if route.startswith("offer:") else channel_name(route)
 
 
 class _Pump:

@@ -7,6 +7,7 @@ built in code. Every value is checked here, once, with a message naming the sett
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -16,6 +17,13 @@ from qtp.wsrm.codec import SoapVersion, WsaVersion
 from qtp.wsrm.protocol import MAX_MESSAGE_NUMBER, RMVersion
 
 MODES = ("xa", "persistent", "memory")
+LANE_MARK = "#"  # a lane's route is NAME#i
+MAX_LANES = 64
+
+
+def channel_name(route: str) -> str:
+    """The channel a route belongs to (a lane's route carries ``#i``; ``offer:...`` routes are their own)."""
+    return route if route.startswith("offer:") else route.split(LANE_MARK, 1)[0]
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,17 @@ class ChannelSettings:
     reply: bool = False
     acks_to: str = "anonymous"     # anonymous: acknowledgements on the HTTP response; endpoint: to our endpoint
     batch: bool = True             # offer qtp's batching extension (several messages per request)
+    lanes: int = 1                 # sequences in parallel; tx.send(key=...) keeps one key's messages in one
+
+    def routes(self) -> list[str]:
+        """The routes of the channel's lanes: lane 0 is the channel's name, lane i > 0 is ``NAME#i``."""
+        return [self.name] + [f"{self.name}{LANE_MARK}{i}" for i in range(1, self.lanes)]
+
+    def route_for(self, key: str | None) -> str:
+        """The lane of a message: lane 0 without a key, else one chosen by the key's CRC-32."""
+        if key is None or self.lanes == 1:
+            return self.name
+        return self.routes()[zlib.crc32(key.encode("utf-8")) % self.lanes]
 
 
 @dataclass(frozen=True)
@@ -120,7 +139,7 @@ def _enum(what: str, kind: type, value: Any) -> Any:
 
 def channel_settings(name: str, table: dict[str, Any], node_store: str | None) -> ChannelSettings:
     where = f"[channels.{name}]"
-    known = {"peer", "store", "mode", "wsrm", "soap", "addressing", "reply", "acks_to", "batch"}
+    known = {"peer", "store", "mode", "wsrm", "soap", "addressing", "reply", "acks_to", "batch", "lanes"}
     if not isinstance(table, dict) or set(table) - known:
         raise ConfigurationError(f"{where} takes {', '.join(sorted(known))}; got {sorted(table)}")
     if "peer" not in table:
@@ -137,13 +156,23 @@ def channel_settings(name: str, table: dict[str, Any], node_store: str | None) -
     reply, batch = table.get("reply", False), table.get("batch", True)
     if not isinstance(reply, bool) or not isinstance(batch, bool):
         raise ConfigurationError(f"{where} reply and batch must be true or false")
+    lanes = table.get("lanes", 1)
+    if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
+        raise ConfigurationError(f"{where} lanes must be a whole number from 1 to {MAX_LANES}, got {lanes!r}")
     acks_to = table.get("acks_to", "anonymous")
     if acks_to not in ("anonymous", "endpoint"):
         raise ConfigurationError(f"{where} acks_to must be \"anonymous\" (on the HTTP response) or \"endpoint\" "
                                  "(sent to this node's endpoint)")
     return ChannelSettings(name=name, peer=_check_url(f"{where} peer", table["peer"]), store=store, mode=mode,
                            wsrm=wsrm, soap=_enum(f"{where} soap", SoapVersion, table.get("soap", "1.2")),
-                           wsa=wsa, reply=reply, acks_to=acks_to, batch=batch)
+                           wsa=wsa, reply=reply, acks_to=acks_to, batch=batch, lanes=lanes)
+
+
+def _check_name(name: str) -> str:
+    if LANE_MARK in name or name.startswith("offer:"):
+        raise ConfigurationError(f"[channels.{name}]: a channel's name cannot contain {LANE_MARK!r} or start "
+                                 "with 'offer:'")
+    return name
 
 
 def limits(table: dict[str, Any]) -> Limits:
@@ -174,7 +203,8 @@ def node_settings(messaging: dict[str, Any], resources: set[str]) -> NodeSetting
         listen = (host, int(port))
     store = node.get("store")
     mode = _check_mode("[node] mode", node.get("mode", "xa"))
-    channels = {name: channel_settings(name, table, store) for name, table in messaging.get("channels", {}).items()}
+    channels = {_check_name(name): channel_settings(name, table, store)
+                for name, table in messaging.get("channels", {}).items()}
     for name in [store, *(c.store for c in channels.values())]:
         if name is not None and name not in resources:
             raise ConfigurationError(f"store resource {name!r} is not defined; add a [resources.{name}] table")
