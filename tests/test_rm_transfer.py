@@ -191,3 +191,39 @@ def test_keys_choose_lanes_stably():
     assert channel.route_for(None) == "orders"
     assert {channel.route_for(f"customer-{i}") for i in range(100)} == set(channel.routes())
     assert channel.route_for("customer-7") == channel.route_for("customer-7")
+
+
+def test_a_batch_handler_gets_consecutive_messages_and_a_failing_batch_is_retried_one_by_one(pg_db, tmp_path):
+    calls: list[list[int]] = []
+    url = pg_db("receiver")
+    tm = qtp.TransactionManager(f"r-{uuid.uuid4().hex[:6]}", tmp_path / "receiver", recovery_interval=None)
+    tm.add_resource("app", url)
+    receiver = Node(tm, NodeSettings(endpoint=f"http://127.0.0.1:{free_port()}/rm", store="app",
+                                     limits=Limits(max_attempts=2, retry_backoff=0.05, retry_backoff_max=0.1)))
+
+    @receiver.batch_handler(ACTION)
+    def apply(tx, messages):
+        numbers = [int(m.payload.decode()[3:-4]) for m in messages]
+        calls.append(numbers)
+        if 13 in numbers:
+            raise ValueError("13 is refused")
+        return None
+
+    receiver.start()
+    tm2 = qtp.TransactionManager(f"s-{uuid.uuid4().hex[:6]}", tmp_path / "logs", recovery_interval=None)
+    tm2.add_resource("app", pg_db("sender"))
+    sender = Node(tm2, NodeSettings(store="app", channels={"out": ChannelSettings("out", peer=receiver.endpoint,
+                                                                                   store="app")})).start()
+    try:
+        _send(sender, 200)
+        applied = lambda: {n for call in calls for n in call} - {13}  # noqa: E731
+        wait_until(lambda: len(applied()) == 199 and _metric(receiver, "qtp_messages_dead_lettered_total") == 1, 60,
+                   "199 applied and one dead letter")
+        assert max(len(call) for call in calls) > 1
+        assert [13] in calls  # after its batch failed, 13 alone
+        succeeded = [n for call in calls if 13 not in call for n in call]
+        assert sorted(succeeded) == sorted(set(succeeded))  # none applied twice
+    finally:
+        qtp.install(None)
+        sender.close()
+        receiver.close()

@@ -11,6 +11,8 @@ Environment:
 - ``QTP_TEST_THREADS=T``: T sending threads (orders k with k mod T apart); ``QTP_TEST_PAD=BYTES`` pads each
   order's XML (payload size, for benchmarks).
 - ``QTP_TEST_FAIL=K,...``: the server's handler raises for these order numbers (dead letters / faults).
+- ``QTP_TEST_BATCH_HANDLER=1``: the server applies with a batch handler (one ``executemany`` per
+  transaction) instead of one INSERT per message.
 
 Server side: the handler of ``urn:test:apply`` inserts a row into ``applied`` (no unique key, so a
 duplicate apply would show as two rows) and, on a request-reply channel, answers ``<done k="K"/>``. Client
@@ -46,15 +48,33 @@ def _order(payload: bytes) -> int:
     return int(found.group(1))
 
 
-@node.handler(ACTION)
-def apply(tx, message):
+_INSERT = text("INSERT INTO applied (k, seq, num, lat_ms) VALUES (:k, :s, :n, :l)")
+
+
+def _row(message) -> dict:
     k = _order(message.payload)
     if k in _FAIL:
         raise RuntimeError(f"order {k} is refused by the test")
     latency = None if message.enqueued_at is None else (time.time() - message.enqueued_at) * 1000
-    tx.connection("app").execute(text("INSERT INTO applied (k, seq, num, lat_ms) VALUES (:k, :s, :n, :l)"),
-                                 {"k": k, "s": message.identifier, "n": message.number, "l": latency})
-    return f'<done xmlns="urn:test" k="{k}"/>'.encode()
+    return {"k": k, "s": message.identifier, "n": message.number, "l": latency}
+
+
+def apply(tx, message):
+    row = _row(message)
+    tx.connection("app").execute(_INSERT, row)
+    return f'<done xmlns="urn:test" k="{row["k"]}"/>'.encode()
+
+
+def apply_batch(tx, messages):
+    rows = [_row(m) for m in messages]
+    tx.connection("app").execute(_INSERT, rows)
+    return [f'<done xmlns="urn:test" k="{row["k"]}"/>'.encode() for row in rows]
+
+
+if os.environ.get("QTP_TEST_BATCH_HANDLER") == "1":
+    node.batch_handler(ACTION)(apply_batch)
+else:
+    node.handler(ACTION)(apply)
 
 
 if "orders" in node.channels and node.channels["orders"].reply:

@@ -55,7 +55,30 @@ log = logging.getLogger("qtp.wsrm.invoker")
 
 Message = Incoming  # what a handler receives
 REDELIVERY = "urn:qtp:redelivery"  # dead letters sent back by `qtp dead-letters retry` (numbered by letter id)
+BatchHandler = Callable[[Any, list[Incoming]], "list[bytes | str | None] | None"]
 CACHE_MAX = 20_000  # messages kept in memory between their store and their apply; beyond, read from the store
+
+
+class _Batch:
+    """A batch handler as the invoker sees it: called once with every message of a transaction."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: BatchHandler):
+        self.fn = fn
+
+    def __call__(self, tx: Any, message: Incoming) -> "bytes | str | None":
+        results = self.fn(tx, [message])
+        return results[0] if results else None
+
+    def apply(self, tx: Any, messages: list[Incoming]) -> list["bytes | str | None"]:
+        results = self.fn(tx, messages)
+        if results is None:
+            return [None] * len(messages)
+        if len(results) != len(messages):
+            raise TypeError(f"batch handler {getattr(self.fn, '__name__', self.fn)!r} returned {len(results)} "
+                            f"replies for {len(messages)} messages")
+        return list(results)
 
 
 class _Schedule:
@@ -321,8 +344,12 @@ class Invoker:
                 session.record("consume_many", identifier, numbers)
             elif self.store.consume_many(session, identifier, numbers) != len(numbers):
                 raise _AlreadyApplied()
-            for message in messages:
-                reply = self._reply(message, handler(tx, message))
+            if isinstance(handler, _Batch):
+                results = handler.apply(tx, messages)
+            else:
+                results = [handler(tx, m) for m in messages]
+            for message, result in zip(messages, results):
+                reply = self._reply(message, result)
                 if reply is not None:
                     self._write(session, "enqueue", reply)
                     tx.on_commit(node.sender.wake.set)

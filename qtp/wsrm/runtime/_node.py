@@ -34,7 +34,7 @@ from qtp.wsrm.codec import Addressing, Envelope, WsaVersion, anonymous, check_pa
 from qtp.wsrm.codec._names import action as rm_action
 from qtp.wsrm.protocol import RMVersion, SequenceAcknowledgement
 from qtp.wsrm.runtime._endpoint import Endpoint
-from qtp.wsrm.runtime._invoker import Invoker, Message
+from qtp.wsrm.runtime._invoker import BatchHandler, Invoker, Message, _Batch
 from qtp.wsrm.runtime._metrics import Metrics
 from qtp.wsrm.runtime._receiver import Receiver, new_message_id
 from qtp.wsrm.runtime._sender import Sender
@@ -52,8 +52,6 @@ from qtp.wsrm.store import Buffered, DestinationInfo, MemoryStore, Outgoing, Sql
 log = logging.getLogger("qtp.wsrm.node")
 
 Handler = Callable[[Any, Message], "bytes | str | None"]
-
-
 class Node:
     """Messaging for one transaction manager. ``start()`` runs it; ``close()`` stops it (and the manager)."""
 
@@ -147,6 +145,16 @@ class Node:
                 raise ConfigurationError(f"a handler for action {action!r} is already registered")
             self.handlers[action] = fn
             self.invoker.handler_registered()
+            return fn
+        return register
+
+    def batch_handler(self, action: str) -> Callable[[BatchHandler], BatchHandler]:
+        """Register ``fn(tx, messages)`` for messages whose Action is ``action``, called with consecutive
+        messages of one sequence (up to ``[limits] invoker_batch``) in one transaction, so that it can write
+        them with one ``executemany``. It returns None or one reply (or None) per message, in order. A batch
+        that fails is retried one message at a time (``fn`` with a list of one), each with its own attempts."""
+        def register(fn: BatchHandler) -> BatchHandler:
+            self.handler(action)(_Batch(fn))
             return fn
         return register
 
