@@ -71,7 +71,7 @@ class Limits:
     sequence_max_messages: int = MAX_MESSAGE_NUMBER
     inactivity_timeout: float = 24 * 3600.0
     ended_retention: float = 3600.0
-    invoker_batch: int = 32
+    invoker_batch: int = 128
     sender_threads: int = 8
     invoker_threads: int = 4
     http_threads: int = 16
