@@ -335,17 +335,19 @@ def test_plugfest_qtp_source_starts_over_when_a_restarted_gsoap_knows_its_sequen
     """qtp -> gSOAP, WS-RM 1.1: gSOAP keeps sequences in memory only; after it is SIGKILLed and restarted it
     answers qtp's messages with UnknownSequence faults. qtp ends that sequence and sends what was not
     acknowledged again in a new one: every committed message delivered, at least once (those delivered but
-    not acknowledged before the crash twice: gSOAP forgot it had them)."""
+    not acknowledged before the crash twice: gSOAP forgot it had them). 200 messages, and a close watch
+    for the third delivery, so that the application is still committing when gSOAP is killed (a qtp node
+    delivers a dozen in a few milliseconds)."""
     app = app_db("pg")
     server = GsoapServer(free_port(), "1.1").start()
     try:
-        qtp_node(app, _channel(server.url, "1.1", "1.1"), {"QTP_TEST_SEND": "12"})
-        wait_until(lambda: len(server.deliveries()) >= 3, 60, "3 deliveries")
+        qtp_node(app, _channel(server.url, "1.1", "1.1"), {"QTP_TEST_SEND": "200"})
+        wait_until(lambda: len(server.deliveries()) >= 3, 60, "3 deliveries", poll=0.005)
         before = server.deliveries()
         server.kill()
         server.start()
-        wait_until(lambda: len(_committed(app)) == 12, 60, "12 committed sends")
-        wait_until(lambda: {d.text for d in before + server.deliveries()} >= {f"qtp-{k}" for k in range(1, 13)},
+        wait_until(lambda: len(_committed(app)) == 200, 60, "200 committed sends")
+        wait_until(lambda: {d.text for d in before + server.deliveries()} >= {f"qtp-{k}" for k in range(1, 201)},
                    90, "every committed message delivered")
         after = server.deliveries()
     finally:
