@@ -56,7 +56,7 @@ log = logging.getLogger("qtp.wsrm.invoker")
 Message = Incoming  # what a handler receives
 REDELIVERY = "urn:qtp:redelivery"  # dead letters sent back by `qtp dead-letters retry` (numbered by letter id)
 BatchHandler = Callable[[Any, list[Incoming]], "list[bytes | str | None] | None"]
-CACHE_MAX = 20_000  # messages kept in memory between their store and their apply; beyond, read from the store
+CACHE_MAX = 4096  # messages kept in memory between their store and their apply; beyond, read from the store
 
 
 class _Batch:
