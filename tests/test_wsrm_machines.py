@@ -198,6 +198,14 @@ def test_acknowledgement_ranges_release_messages_once() -> None:
     assert source.handle(ack((1, 5))) == []
 
 
+def test_one_event_numbers_a_batch_of_messages() -> None:
+    source = active_source(sent=2)
+    actions = source.handle(SendRequested(1.0, count=3))
+    assert of(MessageNumbered, actions) == [MessageNumbered(n, False) for n in (3, 4, 5)]
+    assert [t.number for t in of(Transmit, actions)] == [3, 4, 5]
+    assert [n for n, _, _ in source.record.pending] == [1, 2, 3, 4, 5] and source.record.next_number == 6
+
+
 def test_a_gap_below_an_acknowledged_number_is_sent_again_at_once_and_only_once() -> None:
     source = active_source(sent=5)
     actions = source.handle(ack((1, 2), (4, 4)))

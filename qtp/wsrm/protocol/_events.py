@@ -55,9 +55,11 @@ class CreateSequenceResponded:
 
 @dataclass(frozen=True, slots=True)
 class SendRequested:
-    """RM Source: the application handed over one message; the machine numbers it."""
+    """RM Source: the application handed over ``count`` messages; the machine numbers them (one event for a
+    batch, so that numbering n messages costs one transition, not n)."""
 
     now: float
+    count: int = 1
 
 
 @dataclass(frozen=True, slots=True)

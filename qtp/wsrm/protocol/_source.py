@@ -135,9 +135,9 @@ class SourceSequence(Machine[SourceRecord]):
 
     def on_SendRequested(self, e: SendRequested) -> Step:
         r = self._record
-        if r.next_number > r.max_message_number:
+        if r.next_number + e.count - 1 > r.max_message_number:
             return r, [SendRefused(FaultCode.MESSAGE_NUMBER_ROLLOVER)]
-        return self._number(r, e.now, last_message=False)
+        return self._number(r, e.now, last_message=False, count=e.count)
 
     def on_CompleteRequested(self, e: CompleteRequested) -> Step:
         r = dataclasses.replace(self._record, complete_requested=True)
@@ -155,14 +155,16 @@ class SourceSequence(Machine[SourceRecord]):
         r = dataclasses.replace(self._record, complete_requested=True, last_number=self._record.next_number - 1)
         return self._close(r, e.now, [])
 
-    def _number(self, r: SourceRecord, now: float, last_message: bool) -> Step:
-        number = r.next_number
-        r = dataclasses.replace(r, next_number=number + 1, last_number=number if last_message else r.last_number)
-        actions: list[Action] = [MessageNumbered(number, last_message)]
+    def _number(self, r: SourceRecord, now: float, last_message: bool, count: int = 1) -> Step:
+        numbers = range(r.next_number, r.next_number + count)
+        r = dataclasses.replace(r, next_number=numbers.stop,
+                                last_number=numbers[-1] if last_message else r.last_number)
+        actions: list[Action] = [MessageNumbered(number, last_message) for number in numbers]
         if r.state is S.CREATING:
-            return dataclasses.replace(r, pending=(*r.pending, (number, 0, now))), actions
-        r = dataclasses.replace(r, pending=(*r.pending, (number, 1, now + r.delay(1))))
-        actions.append(self._transmit(r, number, ack_requested=False, attempt=1))
+            return dataclasses.replace(r, pending=(*r.pending, *((n, 0, now) for n in numbers))), actions
+        due = now + r.delay(1)
+        r = dataclasses.replace(r, pending=(*r.pending, *((n, 1, due) for n in numbers)))
+        actions.extend(self._transmit(r, number, ack_requested=False, attempt=1) for number in numbers)
         return r, actions
 
     def _transmit(self, r: SourceRecord, number: int, ack_requested: bool, attempt: int) -> Transmit:

@@ -301,6 +301,7 @@ class Receiver:
             return record, []
         probe = DestinationSequence(record)
         actions: list[Any] = []
+        ack: list[Any] = []  # only the last acknowledgement counts: it covers the earlier ones
         accepted: list[Incoming] = []
         for env in arrival.envs:
             seq = env.sequence
@@ -312,8 +313,12 @@ class Receiver:
                 return record, []
             if any(isinstance(a, AcceptMessage) for a in step):
                 accepted.append(_incoming(env, now))
-            actions = [a for a in actions if not isinstance(a, SendAcknowledgement)] + step
-        arrival.actions = actions
+            for a in step:
+                if isinstance(a, SendAcknowledgement):
+                    ack = [a]
+                else:
+                    actions.append(a)
+        arrival.actions = actions + ack
         return probe.record, accepted
 
     def _reload_if_stale(self, identifier: str) -> None:

@@ -102,6 +102,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("qtp.wsrm.sender")
 
 S = SourceState
+_SOAP = {v.value: v for v in SoapVersion}  # a dict look-up: Enum(value) is slow on the per-message path
+_WSA = {v.value: v for v in WsaVersion}
 _LIVE = (S.NEW, S.CREATING, S.ACTIVE)
 _ENDED = (S.TERMINATED, S.FAILED)
 
@@ -224,7 +226,7 @@ class Sender:
         with store.local() as s:
             waiting = store.unnumbered(s, route, room)
         if waiting:
-            self.event(key, *[SendRequested(now) for _ in waiting], messages=waiting)
+            self.event(key, SendRequested(now, len(waiting)), messages=waiting)
 
     def _sequence_for(self, route: str, now: float) -> str | None:
         """The sequence that takes ``route``'s new messages, starting a new one when needed."""
@@ -381,15 +383,15 @@ class Sender:
     def _envelope(self, info: SourceInfo, **fields: Any) -> Envelope:
         machine = self._machines.get(fields.pop("key"))
         rm = machine.record.version if machine is not None else RMVersion.WSRM11
-        wsa = WsaVersion(info.wsa)
+        wsa = _WSA[info.wsa]
         addressing = fields.pop("addressing")
-        return Envelope(soap=SoapVersion(info.soap), rm=rm, wsa=wsa, addressing=addressing, **fields)
+        return Envelope(soap=_SOAP[info.soap], rm=rm, wsa=wsa, addressing=addressing, **fields)
 
     def _addressing(self, info: SourceInfo, act: str, message_id: str | None = None,
                     relates_to: str | None = None, back_channel: bool = False) -> Addressing:
         """``back_channel``: the answer is read from the HTTP response, so ReplyTo says anonymous (a peer that
         honours a non-anonymous ReplyTo, such as gSOAP, would otherwise POST it to our endpoint instead)."""
-        wsa = WsaVersion(info.wsa)
+        wsa = _WSA[info.wsa]
         reply_to = anonymous(wsa) if back_channel else self.node.endpoint or anonymous(wsa)
         return Addressing(action=act, to=info.peer, message_id=message_id or f"urn:uuid:{uuid.uuid4()}",
                           relates_to=relates_to, reply_to=reply_to)
@@ -473,7 +475,7 @@ class Sender:
         if message is None:
             return self._envelope(info, key=key, sequence=sequence, ack_requests=acks,
                                   addressing=self._addressing(info, action(rm, "LastMessage")))
-        act = WSA_FAULT_ACTION[WsaVersion(info.wsa)] if message.fault is not None else message.action
+        act = WSA_FAULT_ACTION[_WSA[info.wsa]] if message.fault is not None else message.action
         body = SoapFault("Receiver", None, message.fault) if message.fault is not None else None
         return self._envelope(info, key=key, sequence=sequence, ack_requests=acks, body=body,
                               payload=None if body is not None else message.payload,
@@ -500,7 +502,7 @@ class Sender:
             if a.offer_identifier is not None:
                 offer = Offer(a.offer_identifier, endpoint=self.node.endpoint if rm is RMVersion.WSRM11 else None)
             channel = self.node.channels.get(channel_name(info.route))
-            acks_to = anonymous(WsaVersion(info.wsa))
+            acks_to = anonymous(_WSA[info.wsa])
             if channel is not None and channel.acks_to == "endpoint" and self.node.endpoint:
                 acks_to = self.node.endpoint
             batch = self.limits.max_batch if channel is None or channel.batch else None
