@@ -12,6 +12,7 @@ from wsrm_support import envelope_of, envelopes, every_kind, finish, matrix, pay
 from qtp.errors import WsrmFault
 from qtp.wsrm.codec import (
     Addressing,
+    CheckedPayload,
     EncodingError,
     Envelope,
     InvalidMessage,
@@ -216,3 +217,13 @@ def test_create_sequence_response_with_expires_decodes_to_seconds() -> None:
     assert b"<wsrm:Expires>PT0.001S</wsrm:Expires>" in data
     body = decode(data).body
     assert isinstance(body, CreateSequenceResponse) and body.expires == 0.001
+
+
+def test_a_checked_payload_is_written_as_it_is_and_a_plain_one_is_parsed() -> None:
+    def envelope(payload: bytes) -> Envelope:
+        return Envelope(soap=S12, rm=V11, wsa=W05, addressing=Addressing(action="urn:a", to="http://p/rm"),
+                        sequence=Sequence("urn:uuid:s", 1), payload=payload)
+
+    assert b"<a>x</a>" in encode(envelope(CheckedPayload(b"<a>x</a>")))
+    with pytest.raises(EncodingError):
+        encode(envelope(b"<a>x</b>"))

@@ -211,6 +211,13 @@ def _ack_requested(w: _Writer, request: AckRequested) -> None:
                  f"{extra}</wsrm:AckRequested>")
 
 
+class CheckedPayload(bytes):
+    """A payload that ``check_payload`` accepted before (a node checks every payload when it is enqueued):
+    the encoder writes it without parsing it again."""
+
+    __slots__ = ()
+
+
 def _payload(payload: bytes) -> str:
     """The payload's text, once lxml has confirmed it is one well-formed UTF-8 element and nothing else.
 
@@ -218,6 +225,8 @@ def _payload(payload: bytes) -> str:
     most), so that a message encoded again (a retransmission) is not parsed again; a payload not seen
     before is parsed.
     """
+    if type(payload) is CheckedPayload:
+        return payload.decode("utf-8").strip()
     if type(payload) is bytes and len(payload) <= _CHECKED_PAYLOADS_MAX_BYTES:
         return _checked_payload(payload)
     return _check_payload(payload)

@@ -42,6 +42,7 @@ from qtp.errors import QtpError
 from qtp.wsrm.codec import (
     BATCH_CONTENT_TYPE,
     Addressing,
+    CheckedPayload,
     Envelope,
     InvalidMessage,
     SoapFault,
@@ -477,8 +478,8 @@ class Sender:
                                   addressing=self._addressing(info, action(rm, "LastMessage")))
         act = WSA_FAULT_ACTION[_WSA[info.wsa]] if message.fault is not None else message.action
         body = SoapFault("Receiver", None, message.fault) if message.fault is not None else None
-        return self._envelope(info, key=key, sequence=sequence, ack_requests=acks, body=body,
-                              payload=None if body is not None else message.payload,
+        payload = None if body is not None or message.payload is None else CheckedPayload(message.payload)
+        return self._envelope(info, key=key, sequence=sequence, ack_requests=acks, body=body, payload=payload,
                               addressing=self._addressing(info, act, message.message_id, message.relates_to))
 
     def _round_trip(self, key: str) -> "_RoundTrip":
