@@ -400,10 +400,18 @@ class Sender:
     # ------------------------------------------------------------------ the pump
 
     def _queue(self, key: str, info: SourceInfo, transmits: list[Transmit]) -> None:
-        """Hand ``transmits`` to the sequence's pump, starting it when it is idle."""
+        """Hand ``transmits`` to the sequence's pump, starting it when it is idle.
+
+        A timer's retransmission (it asks for an acknowledgement) of a message whose first request left
+        less than a timeout ago is dropped: the machine's timer runs from the numbering, and a message may
+        wait in the pump behind others (one message per request to a peer without batching)."""
+        now, timeout = time.monotonic(), self._timeout(key)
         with self._mutex:
             pump = self._pumps.setdefault(key, _Pump())
             for t in transmits:
+                sent = pump.sent_at.get(t.number)
+                if t.ack_requested and sent is not None and now - sent < timeout:
+                    continue
                 known = pump.waiting.get(t.number)
                 pump.waiting[t.number] = t if known is None or t.ack_requested else known
             if pump.running:
@@ -422,7 +430,7 @@ class Sender:
                         return
                     size = machine.record.peer_batch if self._batching(info) else 1
                     batch = [pump.waiting.pop(n) for n in sorted(pump.waiting)[:size]]
-                self._transmit(key, info, machine.record, batch)
+                self._transmit(key, info, machine.record, batch, pump)
         except BaseException:
             with self._mutex:
                 pump.running = False
@@ -432,7 +440,8 @@ class Sender:
         channel = self.node.channels.get(channel_name(info.route))
         return channel is None or channel.batch
 
-    def _transmit(self, key: str, info: SourceInfo, record: SourceRecord, batch: list[Transmit]) -> None:
+    def _transmit(self, key: str, info: SourceInfo, record: SourceRecord, batch: list[Transmit],
+                  pump: "_Pump") -> None:
         """One request with the messages of ``batch`` (in number order) that are still unacknowledged."""
         waiting = {number for number, _, _ in record.pending}
         batch = [t for t in batch if t.number in waiting]
@@ -441,10 +450,13 @@ class Sender:
                                  for t in batch) if e is not None]
         if not envelopes:
             return
-        self.node.metrics.transmitted(_channel(info.route), len(envelopes), sum(1 for t in batch if t.attempt > 1))
         began = time.monotonic()
+        with self._mutex:
+            resent = sum(1 for t in batch if t.number in pump.sent_at)
+            pump.sent_at.update((t.number, began) for t in batch)
+        self.node.metrics.transmitted(_channel(info.route), len(envelopes), resent)
         answered = self._exchange(key, info, envelopes)
-        if answered and all(t.attempt == 1 for t in batch):  # Karn: a retransmission's answer is ambiguous
+        if answered and not resent:  # Karn: the answer to a request sent again is ambiguous
             self._round_trip(key).sample(time.monotonic() - began)
 
     def _messages(self, key: str, info: SourceInfo, numbers: list[int]) -> dict[int, Outgoing]:
@@ -460,11 +472,12 @@ class Sender:
         return found
 
     def _uncache(self, key: str, done: tuple[tuple[int, int], ...]) -> None:
+        """``done`` (acknowledged or lost) need neither their message nor their send time any more."""
         with self._mutex:
-            cache = self._cache.get(key)
-            if cache:
-                for number in [n for n in cache if ranges.contains(done, n)]:
-                    del cache[number]
+            for table in (self._cache.get(key), getattr(self._pumps.get(key), "sent_at", None)):
+                if table:
+                    for number in [n for n in table if ranges.contains(done, n)]:
+                        del table[number]
 
     def _message_envelope(self, key: str, info: SourceInfo, record: SourceRecord, t: Transmit,
                           message: Outgoing | None) -> Envelope | None:
@@ -654,13 +667,15 @@ def _channel(route: str) -> str:
 
 
 class _Pump:
-    """The transmissions one sequence still has to make, by number, and whether a thread is sending them."""
+    """The transmissions one sequence still has to make, by number, whether a thread is sending them, and
+    when each unacknowledged number last left (monotonic clock)."""
 
-    __slots__ = ("waiting", "running")
+    __slots__ = ("waiting", "running", "sent_at")
 
     def __init__(self) -> None:
         self.waiting: dict[int, Transmit] = {}
         self.running = False
+        self.sent_at: dict[int, float] = {}
 
 
 class _RoundTrip:
