@@ -47,6 +47,7 @@ def _receiver(url: str, logs: Path, arrivals: list[int], applied: list[int]) -> 
     def record(tx, message):
         with lock:
             applied.append(int(message.payload.decode()[3:-4]))
+        return message.payload  # the reply, when the sender offered a sequence for replies
 
     return node.start()
 
@@ -56,15 +57,19 @@ def pair(pg_db, tmp_path):
     """Factory: pair(batch) -> (sender node, receiver node, arrivals, applied), both closed at the end."""
     made: list[Node] = []
 
-    def make(batch: bool, lanes: int = 1) -> tuple[Node, Node, list[int], list[int]]:
+    def make(batch: bool, lanes: int = 1, replies: list[str] | None = None) -> tuple[Node, Node, list[int], list[int]]:
         arrivals: list[int] = []
         applied: list[int] = []
         receiver = _receiver(pg_db("receiver"), tmp_path / "receiver", arrivals, applied)
         tm = qtp.TransactionManager(f"s-{uuid.uuid4().hex[:6]}", tmp_path / "logs", recovery_interval=None)
         tm.add_resource("app", pg_db("sender"))
-        channel = ChannelSettings("out", peer=receiver.endpoint, store="app", batch=batch, lanes=lanes)
+        channel = ChannelSettings("out", peer=receiver.endpoint, store="app", batch=batch, lanes=lanes,
+                                  reply=replies is not None)
         sender = Node(tm, NodeSettings(endpoint=f"http://127.0.0.1:{free_port()}/rm", store="app",
-                                       channels={"out": channel})).start()
+                                       channels={"out": channel}))
+        if replies is not None:
+            sender.reply_handler("out")(lambda tx, reply: replies.append(reply.payload.decode()))
+        sender.start()
         made.extend([sender, receiver])
         return sender, receiver, arrivals, applied
 
@@ -120,6 +125,16 @@ def test_between_qtp_nodes_messages_travel_in_batches_and_the_channel_shows_its_
     assert (_metric(receiver, "qtp_store_messages_count") or 0) < 400
     assert 0 < (_metric(sender, "qtp_channel_round_trip_seconds") or 0) < 5
     wait_until(lambda: _metric(sender, "qtp_channel_backlog") in (None, 0.0), 10, "nothing left unacknowledged")
+
+
+def test_replies_on_the_offered_sequence_travel_in_batches_too(pair):
+    replies: list[str] = []
+    sender, receiver, _, applied = pair(batch=True, replies=replies)
+    _send(sender, 300)
+    wait_until(lambda: len(replies) == 300, 60, "300 replies")
+    assert sorted(replies) == sorted(f"<i>{i}</i>" for i in range(300))
+    requests, messages = (_metric(receiver, f"qtp_channel_request_messages_{x}") for x in ("count", "sum"))
+    assert messages == 300 and requests is not None and requests < 300, (requests, messages)
 
 
 def test_lanes_keep_each_keys_order_and_spread_keys_over_sequences(pair):

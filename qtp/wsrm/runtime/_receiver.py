@@ -198,7 +198,7 @@ class Receiver:
             self.store.save_destination(s, info, machine.record)
             if accepted is not None:
                 offered = self.node.sender.add_offer_route(s, self.store, accepted, offer_peer, machine.record.version,
-                                                           info.soap, info.wsa)
+                                                           info.soap, info.wsa, body.batch)
         self._adopt(info, machine.record)
         if offered is not None:
             self.node.sender.adopt_offer(offered, SourceInfo(f"offer:{accepted}", offer_peer, info.soap, info.wsa))

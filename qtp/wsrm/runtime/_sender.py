@@ -163,13 +163,15 @@ class Sender:
             self._locks.setdefault(record.key, threading.Lock())
 
     def add_offer_route(self, s: Any, store: Store, identifier: str, peer: str, rm: RMVersion,
-                        soap: str, wsa: str) -> SourceRecord:
+                        soap: str, wsa: str, batch: int | None = None) -> SourceRecord:
         """We accepted a peer's Offer: an RM Source for our replies, saved in session ``s`` of ``store``;
-        the caller calls ``adopt_offer`` after that session committed."""
+        the caller calls ``adopt_offer`` after that session committed. ``batch``: the qtp peer takes
+        batches of up to that many messages (its CreateSequence said so)."""
         route = f"offer:{identifier}"
         record = SourceRecord(key=uuid.uuid4().hex, version=rm, state=S.ACTIVE, identifier=identifier,
                               retransmit_interval=self.limits.retransmit_interval,
-                              max_interval=self.limits.retransmit_interval_max)
+                              max_interval=self.limits.retransmit_interval_max,
+                              peer_batch=min(batch, self.limits.max_batch) if batch else 1)
         store.save_source(s, SourceInfo(route, peer, soap, wsa), record)
         return record
 
