@@ -1,21 +1,28 @@
-"""Exactly-once throughput and latency: qtp against a hand-written transactional outbox/inbox.
+"""Exactly-once throughput and latency: qtp against hand-written transactional outbox/inbox baselines.
 
 One-way messages of about 1 KB from a client application transaction (PostgreSQL) to a server application
 transaction (MariaDB), both nodes on this machine, counted as applied per second at the server, with the
-enqueue-to-apply latency (p50, p99) of every message:
+enqueue-to-apply latency (p50, p99) of every message and the CPU milliseconds per message of each of the
+four processes (client, server, PostgreSQL with its backends, MariaDB):
 
 - (a) qtp ``xa``, each node's queues in its own application database (one local commit per send and apply);
 - (b) qtp ``xa``, each node's queues in the other database (two-phase commit at both ends);
-- (c) the baseline: an ``outbox`` table written in the client's local transaction, one relay thread
-  (``FOR UPDATE SKIP LOCKED``, batches of 100) that POSTs each message with ``requests`` and deletes it
-  once answered, and at the server an ``inbox`` table keyed by message id in the same local transaction as
-  the application row (duplicates ignored).
+- (s) **the strong baseline**, what a user would hand-write: an ``outbox`` row written in the client's
+  local transaction; one relay thread takes up to 500 rows (``FOR UPDATE SKIP LOCKED``, in id order),
+  sends them in one POST (JSON), and deletes them on a 200 in the same transaction; the server inserts the
+  new ones into its ``inbox`` (keyed by message id: exactly-once) and its ``applied`` table with
+  ``executemany`` in one local commit. No recovery story beyond that.
+- (c) the serial baseline: the same outbox, but one message per POST and one commit per message at the
+  server (what issue 9 measured).
 
-Variants run interleaved, ``--rounds`` times each, at 1 and 16 sending threads; throughput is measured in
-the steady part of each run (from 10 % to 90 % of the messages applied). Results: a table on stdout and
-``--json``.
+Every target is a ratio to (s) measured in the same round. Variants run interleaved, ``--rounds`` times
+each, at each ``--threads`` count; throughput is measured in the steady part of each run (from 10 % to
+90 % of the messages applied). ``--rate R`` paces the senders at R messages/s in all (the latency at a
+given load); ``--batch-handler`` makes the qtp server apply with a batch handler (one ``executemany`` per
+transaction, as the strong baseline does). The client CPU of (s) and (c) is this process's (its app and
+relay threads, plus the polling of the measurement). Results: a table on stdout and ``--json``.
 
-    python benchmarks/e2e_throughput.py [--messages 2000] [--rounds 2] [--threads 1,16]
+    python benchmarks/e2e_throughput.py [--messages 2000] [--rounds 2] [--threads 1,16] [--variants a,b,s,c]
 """
 
 from __future__ import annotations
@@ -35,11 +42,16 @@ import requests
 import sqlalchemy as sa
 from sqlalchemy import text
 
+from _cpu import CpuMeter
+
 from qtp.embedded import DEFAULT_ROOT, EmbeddedMariaDB, EmbeddedPostgres, free_port
 from qtp.testing.nodes import NodeProcess, Pair, client_schema, counter, create, rows, server_schema
 
 HERE = Path(__file__).resolve().parent
 PAD = 1000 - len('<order xmlns="urn:test" k="12345"></order>')
+LABELS = {"a": "qtp xa, queues co-located", "b": "qtp xa, queues in the other db", "s": "strong outbox baseline",
+          "c": "serial outbox baseline"}
+STRONG_BATCH = 500
 
 
 def _fresh(server, name: str) -> str:
@@ -54,7 +66,7 @@ def _fresh(server, name: str) -> str:
 
 
 def _measure(server_url: str, client_url: str, total: int, began: float, timeout: float,
-             metrics: str | None = None) -> dict:
+             metrics: str | None = None, cpu: CpuMeter | None = None) -> dict:
     """Poll the stages: orders committed at the client (the sending transactions), messages stored at the
     server (qtp: its received counter), messages applied. Each stage's rate is taken between 10 % and 90 %
     of the messages; latency is every message's enqueue-to-apply time."""
@@ -81,6 +93,8 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
         low, high = marks.get((name, 0.1)), marks.get((name, 0.9))
         rate = 0.8 * total / (high - low) if low is not None and high is not None and high > low else 0.0
         result["rate" if name == "applied" else f"{name}_rate"] = round(rate, 1)
+    if cpu is not None:
+        result["cpu_ms_per_msg"] = cpu.per_message(len(latencies))
     return result
 
 
@@ -88,7 +102,12 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, tag: str) -> dict:
+def _databases_cpu(pg, maria) -> dict[str, int | None]:
+    return {"postgresql": pg.postmaster_pid(), "mariadb": maria.info.pid if maria.info else None}
+
+
+def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, tag: str,
+            rate: float | None = None, batch_handler: bool = False) -> dict:
     client_app, server_app = _fresh(pg, f"tc_{tag}"), _fresh(maria, f"ts_{tag}")
     client_schema(client_app)
     server_schema(server_app)
@@ -98,20 +117,26 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
     run = folder / tag
     run.mkdir(parents=True, exist_ok=True)
     client_config, server_config = pair.write(run)
-    server = NodeProcess(server_config, run / "server.log").start()
-    client = NodeProcess(client_config, run / "client.log",
-                         {"QTP_TEST_SEND": str(messages), "QTP_TEST_THREADS": str(threads), "QTP_TEST_PAD": str(PAD)})
+    server = NodeProcess(server_config, run / "server.log",
+                         {"QTP_TEST_BATCH_HANDLER": "1"} if batch_handler else {}).start()
+    sending = {"QTP_TEST_SEND": str(messages), "QTP_TEST_THREADS": str(threads), "QTP_TEST_PAD": str(PAD)}
+    if rate:
+        sending["QTP_TEST_RATE"] = str(rate)
+    client = NodeProcess(client_config, run / "client.log", sending)
     began = time.monotonic()
     client.start()
+    cpu = CpuMeter({"client": client.proc.pid, "server": server.proc.pid, **_databases_cpu(pg, maria)})
     try:
         metrics = f"http://127.0.0.1:{pair.server_port}/metrics"
-        return _measure(server_app, client_app, messages, began, timeout=600, metrics=metrics)
+        return _measure(server_app, client_app, messages, began, timeout=600, metrics=metrics, cpu=cpu)
     finally:
         client.stop()
         server.stop()
 
 
-def run_outbox(pg, maria, folder: Path, messages: int, threads: int, tag: str) -> dict:
+def run_outbox(pg, maria, folder: Path, messages: int, threads: int, tag: str, strong: bool = False,
+               rate: float | None = None) -> dict:
+    """(s) with ``strong``, else (c): the hand-written outbox, relay and inbox."""
     client_url, server_url = _fresh(pg, f"oc_{tag}"), _fresh(maria, f"os_{tag}")
     create(client_url, "CREATE TABLE orders (k int PRIMARY KEY, status varchar(16) NOT NULL DEFAULT 'committed')")
     create(client_url, "CREATE TABLE outbox (id bigserial PRIMARY KEY, k int NOT NULL, msg_id varchar(64) NOT NULL, "
@@ -124,15 +149,17 @@ def run_outbox(pg, maria, folder: Path, messages: int, threads: int, tag: str) -
     _wait_port(port)
     engine = sa.create_engine(client_url, pool_size=threads + 2)
     stop = threading.Event()
-    relay = threading.Thread(target=_relay, args=(engine, f"http://127.0.0.1:{port}/", stop), daemon=True)
-    senders = [threading.Thread(target=_outbox_sender, args=(engine, lane, threads, messages), daemon=True)
+    relay = threading.Thread(target=_strong_relay if strong else _relay,
+                             args=(engine, f"http://127.0.0.1:{port}/", stop), daemon=True)
+    senders = [threading.Thread(target=_outbox_sender, args=(engine, lane, threads, messages, rate), daemon=True)
                for lane in range(1, threads + 1)]
+    cpu = CpuMeter({"client": os.getpid(), "server": proc.pid, **_databases_cpu(pg, maria)})
     began = time.monotonic()
     relay.start()
     for t in senders:
         t.start()
     try:
-        return _measure(server_url, client_url, messages, began, timeout=600)
+        return _measure(server_url, client_url, messages, began, timeout=600, cpu=cpu)
     finally:
         stop.set()
         relay.join(10)
@@ -141,9 +168,12 @@ def run_outbox(pg, maria, folder: Path, messages: int, threads: int, tag: str) -
         engine.dispose()
 
 
-def _outbox_sender(engine: sa.Engine, lane: int, lanes: int, messages: int) -> None:
+def _outbox_sender(engine: sa.Engine, lane: int, lanes: int, messages: int, rate: float | None) -> None:
     pad = "x" * PAD
-    for k in range(lane, messages + 1, lanes):
+    began = time.monotonic()
+    for i, k in enumerate(range(lane, messages + 1, lanes)):
+        if rate:  # this thread's share of the total rate
+            time.sleep(max(0.0, began + i * lanes / rate - time.monotonic()))
         with engine.begin() as conn:
             conn.execute(text("INSERT INTO orders (k) VALUES (:k)"), {"k": k})
             conn.execute(text("INSERT INTO outbox (k, msg_id, payload, enqueued_at) VALUES (:k, :m, :p, :t)"),
@@ -172,6 +202,26 @@ def _relay(engine: sa.Engine, url: str, stop: threading.Event) -> None:
             time.sleep(0.005)
 
 
+def _strong_relay(engine: sa.Engine, url: str, stop: threading.Event) -> None:
+    """Up to 500 outbox rows per POST, in id order, deleted in the same transaction once the server said 200."""
+    session = requests.Session()
+    take = text(f"SELECT id, msg_id, payload, enqueued_at FROM outbox ORDER BY id LIMIT {STRONG_BATCH} "
+                "FOR UPDATE SKIP LOCKED")
+    while not stop.is_set():
+        with engine.begin() as conn:
+            batch = conn.execute(take).fetchall()
+            if batch:
+                body = json.dumps([{"id": m, "payload": bytes(p).decode(), "enqueued": t} for _, m, p, t in batch])
+                try:
+                    ok = session.post(url + "batch", data=body, timeout=10).status_code == 200
+                except requests.RequestException:
+                    ok = False
+                if ok:
+                    conn.execute(text("DELETE FROM outbox WHERE id = ANY(:ids)"), {"ids": [r[0] for r in batch]})
+        if not batch:
+            time.sleep(0.005)
+
+
 def _wait_port(port: int) -> None:
     for _ in range(200):
         try:
@@ -189,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", default="1,16")
-    parser.add_argument("--variants", default="a,b,c")
+    parser.add_argument("--variants", default="a,b,s,c", help="a, b (qtp), s (strong), c (serial); see above")
+    parser.add_argument("--rate", type=float, default=None, help="pace the senders at this many messages/s")
+    parser.add_argument("--batch-handler", action="store_true", help="the qtp server applies with a batch handler")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -202,11 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         for threads in [int(t) for t in args.threads.split(",")]:
             for variant in args.variants.split(","):
                 tag = f"{variant}{threads}r{round_}"
-                if variant == "c":
-                    r = run_outbox(pg, maria, folder, args.messages, threads, tag)
+                if variant in ("c", "s"):
+                    r = run_outbox(pg, maria, folder, args.messages, threads, tag, variant == "s", args.rate)
                 else:
-                    r = run_qtp(pg, maria, folder, args.messages, threads, variant == "b", tag)
-                r.update(variant=variant, threads=threads, round=round_)
+                    r = run_qtp(pg, maria, folder, args.messages, threads, variant == "b", tag, args.rate,
+                                args.batch_handler)
+                r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate,
+                         batch_handler=args.batch_handler)
                 results.append(r)
                 print(json.dumps(r), flush=True)
     summary = summarise(results)
@@ -216,26 +270,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarise(results: list[dict]) -> dict:
+    """Medians per thread count and variant; each qtp variant's ratio to (s), and to (c), of the same rounds."""
     summary: dict = {}
     for threads in sorted({r["threads"] for r in results}):
         row = {}
-        for variant in ("a", "b", "c"):
+        for variant in LABELS:
             runs = [r for r in results if r["threads"] == threads and r["variant"] == variant]
             if runs:
-                row[variant] = {"rate": statistics.median(r["rate"] for r in runs),
-                                "sent_rate": statistics.median(r["sent_rate"] for r in runs),
-                                "stored_rate": statistics.median(r.get("stored_rate", 0.0) for r in runs),
-                                "p50_ms": statistics.median(r["p50_ms"] for r in runs),
-                                "p99_ms": statistics.median(r["p99_ms"] for r in runs)}
-        if "c" in row and row["c"]["rate"]:
-            for variant in ("a", "b"):
-                if variant in row:
-                    row[variant]["ratio_to_c"] = round(row[variant]["rate"] / row["c"]["rate"], 2)
+                row[variant] = {name: statistics.median(r.get(name, 0.0) for r in runs)
+                                for name in ("rate", "sent_rate", "stored_rate", "p50_ms", "p99_ms")}
+                row[variant]["cpu_ms_per_msg"] = {
+                    proc: round(statistics.median(r["cpu_ms_per_msg"][proc] for r in runs), 3)
+                    for proc in runs[0].get("cpu_ms_per_msg", {})}
+        for base in ("s", "c"):
+            if base in row and row[base]["rate"]:
+                for variant in ("a", "b"):
+                    if variant in row:
+                        row[variant][f"ratio_to_{base}"] = round(row[variant]["rate"] / row[base]["rate"], 2)
         summary[threads] = row
-        print(f"{threads:2d} thread(s): " + "  ".join(
-            f"({v}) {x['rate']:7.1f} msg/s (sent {x['sent_rate']:.0f}, stored {x['stored_rate']:.0f}) "
-            f"p50 {x['p50_ms']:6.1f} ms p99 {x['p99_ms']:7.1f} ms"
-            + (f" = {x['ratio_to_c']:.2f}x (c)" if "ratio_to_c" in x else "") for v, x in row.items()))
+        for variant, x in row.items():
+            ratios = "".join(f" = {x[k]:.2f}x ({k[-1]})" for k in ("ratio_to_s", "ratio_to_c") if k in x)
+            cpu = " ".join(f"{proc} {ms:.2f}" for proc, ms in x["cpu_ms_per_msg"].items())
+            print(f"{threads:2d} thread(s) ({variant}) {LABELS[variant]:32s} {x['rate']:7.1f} msg/s{ratios}; sent "
+                  f"{x['sent_rate']:.0f}/s; p50 {x['p50_ms']:.1f} ms p99 {x['p99_ms']:.1f} ms; CPU ms/msg: {cpu}")
     return summary
 
 

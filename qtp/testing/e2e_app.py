@@ -9,7 +9,7 @@ Environment:
   row is then written with status ``aborted`` in a transaction of its own, for the reconciliation).
   After a restart the thread resumes after the highest order recorded.
 - ``QTP_TEST_THREADS=T``: T sending threads (orders k with k mod T apart); ``QTP_TEST_PAD=BYTES`` pads each
-  order's XML (payload size, for benchmarks).
+  order's XML (payload size, for benchmarks); ``QTP_TEST_RATE=R`` paces them at R orders/s in all.
 - ``QTP_TEST_FAIL=K,...``: the server's handler raises for these order numbers (dead letters / faults).
 - ``QTP_TEST_BATCH_HANDLER=1``: the server applies with a batch handler (one ``executemany`` per
   transaction) instead of one INSERT per message.
@@ -91,14 +91,17 @@ class Abort(Exception):
     """The test's deliberate rollback."""
 
 
-def _send(count: int, abort_every: int, lane: int, lanes: int, padding: str) -> None:
+def _send(count: int, abort_every: int, lane: int, lanes: int, padding: str, rate: float) -> None:
     """Send orders lane, lane + lanes, ... up to ``count`` (one lane per thread), resuming after a restart."""
     engine = sa.create_engine(node.manager.resource("app").url, pool_size=2, pool_pre_ping=True)
     with engine.connect() as conn:
         done = conn.execute(text("SELECT COALESCE(MAX(k), 0) FROM orders WHERE MOD(k, :n) = :r"),
                             {"n": lanes, "r": lane % lanes}).scalar()
     start = done + lanes if done else lane
-    for k in range(start, count + 1, lanes):
+    began = time.monotonic()
+    for i, k in enumerate(range(start, count + 1, lanes)):
+        if rate:  # this thread's share of the total rate
+            time.sleep(max(0.0, began + i * lanes / rate - time.monotonic()))
         while True:
             try:
                 with qtp.transaction() as tx:
@@ -144,6 +147,7 @@ if _count:
     _padding = "x" * int(os.environ.get("QTP_TEST_PAD", "0"))
     for _lane in range(1, _lanes + 1):
         threading.Thread(target=_send, name=f"test-sender-{_lane}", daemon=True,
-                         args=(_count, int(os.environ.get("QTP_TEST_ABORT_EVERY", "0")), _lane, _lanes, _padding)
+                         args=(_count, int(os.environ.get("QTP_TEST_ABORT_EVERY", "0")), _lane, _lanes, _padding,
+                               float(os.environ.get("QTP_TEST_RATE", "0")))
                          ).start()
 
