@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "qtp.db_cli",
     "qtp.reconcile.cli",
     "qtp.recovery.cli",
+    "qtp.status_cli",
     "qtp.wsrm.runtime.cli",
 ]
 

@@ -5,6 +5,11 @@ Recovery is not the coordinator's business: the manager is handed a recovery *sc
 ``start()``, ``run_once(dry_run=)`` and ``stop()``), made by ``recovery_factory(manager)``. ``qtp.recovery``
 registers its ``RecoveryService`` as the default factory when it is imported (``import qtp`` does that), so
 the dependency runs one way: recovery knows the coordinator, the coordinator does not know recovery.
+
+Messaging attaches itself the same way: ``qtp.wsrm.runtime`` registers, on import, an *attachment* for
+the ``messaging`` part of a configuration (``register_attachment``); ``from_config`` hands that part to it,
+and the node it builds sets ``manager.node``, which ``Transaction.send`` uses. The coordinator never
+imports ``qtp.wsrm``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,16 @@ DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_RECOVERY_INTERVAL_S = 60.0
 FORGET_BATCH = 256  # LLR decision rows deleted in one statement
 FORGET_INTERVAL_S = 1.0
+
+
+# What builds the rest of a node from its configuration: name -> fn(manager, config), registered by the
+# layers above the coordinator when they are imported (``qtp.wsrm.runtime`` registers "messaging").
+_ATTACHMENTS: dict[str, Callable[["TransactionManager", Any], None]] = {}
+
+
+def register_attachment(name: str, attach: Callable[["TransactionManager", Any], None]) -> None:
+    """``attach(manager, config)`` is called by ``TransactionManager.from_config`` after recovery started."""
+    _ATTACHMENTS[name] = attach
 
 
 class TransactionManager:
@@ -102,10 +117,13 @@ class TransactionManager:
         for name, url in config.resources.items():
             manager.add_resource(name, url, last_resource=name in config.last_resources)
         manager.start_recovery()
-        if config.messaging["channels"] or config.messaging["node"].get("endpoint"):
-            from qtp.wsrm.runtime import Node, node_settings
-
-            Node(manager, node_settings(config.messaging, set(config.resources))).start()
+        if (config.messaging["channels"] or config.messaging["node"].get("endpoint")) \
+                and "messaging" not in _ATTACHMENTS:
+            manager.close()
+            raise ConfigurationError(f"{path} has channels or an endpoint, but messaging is not loaded: "
+                                     "`import qtp` (or qtp.wsrm.runtime) before TransactionManager.from_config")
+        for attach in _ATTACHMENTS.values():
+            attach(manager, config)
         return manager
 
     def __repr__(self) -> str:

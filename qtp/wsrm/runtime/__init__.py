@@ -4,11 +4,14 @@ The protocol machines (``qtp.wsrm.protocol``) decide; this package carries out t
 stores (``qtp.wsrm.store``), HTTP (``requests`` out, WSGI in) and the transaction manager.
 """
 
+from qtp.coordinator import register_attachment
 from qtp.wsrm.runtime._endpoint import Endpoint
 from qtp.wsrm.runtime._invoker import Message
-from qtp.wsrm.runtime._node import Node
+from qtp.wsrm.runtime._node import Node, attach_from_config
 from qtp.wsrm.runtime._settings import MODES, ChannelSettings, Limits, NodeSettings, node_settings
 from qtp.wsrm.runtime._transport import Transport, TransportError
+
+register_attachment("messaging", attach_from_config)  # TransactionManager.from_config builds the node
 
 __all__ = ["MODES", "ChannelSettings", "Endpoint", "Limits", "Message", "Node", "NodeSettings", "Transport",
            "TransportError", "node_settings"]

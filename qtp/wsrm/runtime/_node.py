@@ -330,6 +330,13 @@ class Node:
         self.close()
 
 
+def attach_from_config(manager: Any, config: Any) -> None:
+    """The node a configuration describes, attached to ``manager`` and started (when the file has channels
+    or an endpoint); registered with the coordinator by ``qtp.wsrm.runtime``."""
+    if config.messaging["channels"] or config.messaging["node"].get("endpoint"):
+        Node(manager, node_settings(config.messaging, set(config.resources))).start()
+
+
 def _listen_address(endpoint: str) -> tuple[str, int]:
     parts = urlsplit(endpoint)
     port = parts.port or (443 if parts.scheme == "https" else 80)

@@ -1,4 +1,4 @@
-"""``qtp serve`` (run a node) and ``qtp dead-letters list|retry|drop``; ``qtp status`` shows sequences too.
+"""``qtp serve`` (run a node) and ``qtp dead-letters list|retry|drop`` (``qtp status`` shows sequences too).
 
 ``qtp serve --config server.toml`` runs the node the file describes: transaction recovery, the stores, the
 sender, the invoker and the HTTP endpoint in waitress, until SIGTERM or Ctrl-C. The application's handlers
@@ -25,12 +25,13 @@ from typing import Any
 
 import sqlalchemy
 
-from qtp.config import Config, load_config
+from qtp._render import table
+from qtp.config import load_config
+from qtp.coordinator import install
 from qtp.errors import ConfigurationError
 from qtp.wsrm.runtime._invoker import REDELIVERY
-from qtp.wsrm.runtime._settings import node_settings
-from qtp.wsrm.store import SqlStore, Store
-from qtp.xa._sql import normalize_url
+from qtp.wsrm.runtime._node import Node
+from qtp.wsrm.runtime._status import stores
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,10 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import qtp
-
-    node = _load_app(args.app) if args.app else qtp.Node.from_config(args.config or "qtp.toml")
-    qtp.install(node.manager)
+    node = _load_app(args.app) if args.app else Node.from_config(args.config or "qtp.toml")
+    install(node.manager)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -79,96 +78,15 @@ def _load_app(spec: str) -> Any:
     return node
 
 
-# ---------------------------------------------------------------------------------------------- status
-
-
-def _stores(config: Config) -> list[tuple[str, Store, sqlalchemy.Engine]]:
-    """The node's SQL stores, opened read-write on their own (the node itself may be running)."""
-    settings = node_settings(config.messaging, set(config.resources))
-    names = [settings.store] if settings.mode != "memory" else []
-    names += [c.store for c in settings.channels.values() if c.mode != "memory"]
-    opened: dict[str, tuple[str, Store, sqlalchemy.Engine]] = {}
-    for name in names:
-        if name is None:
-            continue
-        url = config.resources[name]
-        if url in opened:
-            continue
-        engine = sqlalchemy.create_engine(normalize_url(url), poolclass=sqlalchemy.pool.NullPool)
-        store = SqlStore(name, engine)
-        store.create()
-        opened[url] = (name, store, engine)
-    return list(opened.values())
-
-
-def messaging_status(config: Config) -> dict[str, Any]:
-    """Sequences (both directions), invoker backlog and dead letters, read from the node's stores."""
-    if not config.messaging["channels"] and not config.messaging["node"].get("endpoint"):
-        return {"sequences": [], "dead_letters": 0, "invoker_backlog": 0}
-    now = time.time()
-    sequences, dead, backlog = [], 0, 0
-    for name, store, engine in _stores(config):
-        try:
-            with store.local() as s:
-                summary = store.summary(s)
-                for info, record in store.sources(s):
-                    count, oldest = summary.outgoing.get((info.route, record.key), (0, None))
-                    sequences.append({
-                        "direction": "out", "store": name, "route": info.route, "peer": info.peer,
-                        "identifier": record.identifier, "state": record.state.value,
-                        "last_number": record.next_number - 1, "unacknowledged": count,
-                        "oldest_unacknowledged_age_s": None if oldest is None else round(now - oldest, 3)})
-                for route, key in summary.outgoing:
-                    if key is None:
-                        count, oldest = summary.outgoing[route, key]
-                        sequences.append({"direction": "out", "store": name, "route": route, "peer": None,
-                                          "identifier": None, "state": "QUEUED", "last_number": 0,
-                                          "unacknowledged": count,
-                                          "oldest_unacknowledged_age_s": round(now - oldest, 3)})
-                for info, record in store.destinations(s):
-                    waiting = summary.incoming.get(record.identifier, 0)
-                    sequences.append({
-                        "direction": "in", "store": name, "route": info.channel or "-", "peer": info.reply_to,
-                        "identifier": record.identifier, "state": record.state.value,
-                        "last_number": record.received[-1][1] if record.received else 0,
-                        "invoker_backlog": waiting})
-                dead += summary.dead_letters
-                backlog += sum(summary.incoming.values())
-        finally:
-            engine.dispose()
-    return {"sequences": sequences, "dead_letters": dead, "invoker_backlog": backlog}
-
-
-def render_messaging(status: dict[str, Any]) -> str:
-    rows = [[q["direction"], q["route"], q["peer"] or "-", q["identifier"] or "-", q["state"], q["last_number"],
-             q.get("unacknowledged", "-"), _age(q.get("oldest_unacknowledged_age_s")), q.get("invoker_backlog", "-")]
-            for q in status["sequences"]]
-    lines = [f"  messaging: {len(rows)} sequence(s), invoker backlog {status['invoker_backlog']}, "
-             f"dead letters {status['dead_letters']}"]
-    if rows:
-        from qtp.recovery.cli import _table
-
-        table = _table(["dir", "route", "peer", "sequence", "state", "last #", "unacked", "oldest", "backlog"],
-                       rows)
-        lines += ["    " + line for line in table.splitlines()]
-    return "\n".join(lines)
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
-
-
 # ---------------------------------------------------------------------------------------------- dead letters
 
 
 def run_dead_letters(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    stores = _stores(config)
-    if not stores:
+    opened = stores(config)
+    if not opened:
         raise ConfigurationError(f"{args.config}: no SQL store ([node] store or [channels.*] store)")
-    name, store, engine = stores[0]
+    name, store, engine = opened[0]
     try:
         with store.local() as s:
             letters = store.dead_letters(s)
@@ -199,9 +117,7 @@ def _print_letters(letters: list[Any], as_json: bool) -> None:
                            "payload": (x.message.payload or b"").decode("utf-8", "replace")} for x in letters],
                          indent=2))
         return
-    from qtp.recovery.cli import _table
-
-    print(_table(["id", "sequence", "#", "action", "failed", "error"],
+    print(table(["id", "sequence", "#", "action", "failed", "error"],
                  [[x.id, x.message.identifier, x.message.number, x.message.action,
                    time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(x.failed_at)),
                    x.error.splitlines()[-1][:60] if x.error else ""] for x in letters]))

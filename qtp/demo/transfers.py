@@ -5,7 +5,7 @@ credit an account in the other. A transfer that would overdraw raises inside the
 on both sides. The total balance across both databases is the invariant: it must be the same before and
 after, whatever ran in between.
 
-    python -m qtp.demo_transfers [--threads 8] [--transfers 2000] [--accounts 100]
+    python -m qtp.demo.transfers [--threads 8] [--transfers 2000] [--accounts 100]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def worker(plan: list[tuple], stats: dict, lock: threading.Lock) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qtp.demo_transfers", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m qtp.demo.transfers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--transfers", type=int, default=2000)

@@ -1,4 +1,4 @@
-"""The shop's server node for ``make demo``: ``qtp serve --app qtp.demo_shop:node`` (QTP_DEMO_CONFIG names
+"""The shop's server node for ``make demo``: ``qtp serve --app qtp.demo.shop:node`` (QTP_DEMO_CONFIG names
 its qtp.toml). Each order is applied in a transaction with its dequeue, and answered with a reply that
 travels back reliably to the client node."""
 

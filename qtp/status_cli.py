@@ -1,0 +1,62 @@
+"""``qtp status``: a node's in-doubt branches, decision log, and messaging (sequences, backlog, dead letters).
+
+It exits 0 when there is nothing to warn about, 1 otherwise (2 on an error, 3 is never used). The two
+halves come from their own layers: ``qtp.recovery`` (transactions) and ``qtp.wsrm.runtime`` (messaging).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from qtp._render import age, run, table
+from qtp.recovery._node import NodeStatus, node_status
+from qtp.wsrm.runtime._status import messaging_status, render_messaging
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("status", help="in-doubt branches per resource, the decision log, and messaging")
+    s.add_argument("--config", default="qtp.toml", help="the node's qtp.toml (default ./qtp.toml)")
+    s.add_argument("--json", action="store_true", help="print one JSON document for scripts")
+    s.set_defaults(func=run_status)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    def compute(config: Any) -> NodeStatus:
+        status = node_status(config, warn_age_s=config.warn_prepared_age)
+        status.messaging = messaging_status(config)  # type: ignore[attr-defined]
+        return status
+
+    def render(status: NodeStatus) -> str:
+        return render_status(status) + "\n" + render_messaging(status.messaging)  # type: ignore[attr-defined]
+
+    return run(args, compute, lambda status: status.__dict__, render, lambda status: not status.warnings)
+
+
+def render_status(status: NodeStatus) -> str:
+    live = f"held by live manager pid {status.log_locked_by}" if status.log_locked_by else "no live manager"
+    lines = [f"node {status.node_id}   log {status.log_dir} ({live})"]
+    if status.log_present:
+        ckpt = status.last_checkpoint or "none"
+        if status.last_checkpoint_age_s is not None:
+            ckpt += f", {age(status.last_checkpoint_age_s)} ago"
+        lines.append(f"  log: {status.log_size} bytes in {status.log_segments} segment(s), {status.log_records} "
+                     f"record(s), {status.open_decisions} open decision(s), last checkpoint {ckpt}")
+        if status.torn_tail:
+            lines.append(f"  log: torn tail (cut by a crash, ignored): {status.torn_tail}")
+    else:
+        lines.append("  log: missing (no segment file)")
+    lines.append(f"  last-resource decision rows (Logging Last Resource): {status.last_resource_decisions}")
+    for name, entry in status.resources.items():
+        if entry["unreachable"]:
+            lines.append(f"  resource {name}: UNREACHABLE: {entry['unreachable']}")
+            continue
+        branches = entry["in_doubt"]
+        lines.append(f"  resource {name} ({entry['family']}): {len(branches)} in-doubt branch(es)")
+        if branches:
+            rows = table(["xid", "age", "logged decision"],
+                          [[b["xid"], age(b["age_s"]), b["decision"]] for b in branches])
+            lines += ["    " + line for line in rows.splitlines()]
+    for warning in status.warnings:
+        lines.append(f"WARNING: {warning}")
+    return "\n".join(lines)

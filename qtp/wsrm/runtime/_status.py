@@ -1,0 +1,86 @@
+"""What ``qtp status`` shows of a node's messaging, read from its stores: sequences in both directions,
+invoker backlog, dead letters. Opened on their own, so it works while the node runs and while it is down."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import sqlalchemy
+
+from qtp._render import age, table
+from qtp.config import Config
+from qtp.wsrm.runtime._settings import node_settings
+from qtp.wsrm.store import SqlStore, Store
+from qtp.xa._sql import normalize_url
+
+
+def stores(config: Config) -> list[tuple[str, Store, sqlalchemy.Engine]]:
+    """The node's SQL stores, opened read-write on their own (the node itself may be running)."""
+    settings = node_settings(config.messaging, set(config.resources))
+    names = [settings.store] if settings.mode != "memory" else []
+    names += [c.store for c in settings.channels.values() if c.mode != "memory"]
+    opened: dict[str, tuple[str, Store, sqlalchemy.Engine]] = {}
+    for name in names:
+        if name is None:
+            continue
+        url = config.resources[name]
+        if url in opened:
+            continue
+        engine = sqlalchemy.create_engine(normalize_url(url), poolclass=sqlalchemy.pool.NullPool)
+        store = SqlStore(name, engine)
+        store.create()
+        opened[url] = (name, store, engine)
+    return list(opened.values())
+
+
+def messaging_status(config: Config) -> dict[str, Any]:
+    """Sequences (both directions), invoker backlog and dead letters, read from the node's stores."""
+    if not config.messaging["channels"] and not config.messaging["node"].get("endpoint"):
+        return {"sequences": [], "dead_letters": 0, "invoker_backlog": 0}
+    now = time.time()
+    sequences, dead, backlog = [], 0, 0
+    for name, store, engine in stores(config):
+        try:
+            with store.local() as s:
+                summary = store.summary(s)
+                for info, record in store.sources(s):
+                    count, oldest = summary.outgoing.get((info.route, record.key), (0, None))
+                    sequences.append({
+                        "direction": "out", "store": name, "route": info.route, "peer": info.peer,
+                        "identifier": record.identifier, "state": record.state.value,
+                        "last_number": record.next_number - 1, "unacknowledged": count,
+                        "oldest_unacknowledged_age_s": None if oldest is None else round(now - oldest, 3)})
+                for route, key in summary.outgoing:
+                    if key is None:
+                        count, oldest = summary.outgoing[route, key]
+                        sequences.append({"direction": "out", "store": name, "route": route, "peer": None,
+                                          "identifier": None, "state": "QUEUED", "last_number": 0,
+                                          "unacknowledged": count,
+                                          "oldest_unacknowledged_age_s": round(now - oldest, 3)})
+                for info, record in store.destinations(s):
+                    waiting = summary.incoming.get(record.identifier, 0)
+                    sequences.append({
+                        "direction": "in", "store": name, "route": info.channel or "-", "peer": info.reply_to,
+                        "identifier": record.identifier, "state": record.state.value,
+                        "last_number": record.received[-1][1] if record.received else 0,
+                        "invoker_backlog": waiting})
+                dead += summary.dead_letters
+                backlog += sum(summary.incoming.values())
+        finally:
+            engine.dispose()
+    return {"sequences": sequences, "dead_letters": dead, "invoker_backlog": backlog}
+
+
+def render_messaging(status: dict[str, Any]) -> str:
+    rows = [[q["direction"], q["route"], q["peer"] or "-", q["identifier"] or "-", q["state"], q["last_number"],
+             q.get("unacknowledged", "-"), age(q.get("oldest_unacknowledged_age_s"), unknown="-"),
+             q.get("invoker_backlog", "-")]
+            for q in status["sequences"]]
+    lines = [f"  messaging: {len(rows)} sequence(s), invoker backlog {status['invoker_backlog']}, "
+             f"dead letters {status['dead_letters']}"]
+    if rows:
+        lines_of = table(["dir", "route", "peer", "sequence", "state", "last #", "unacked", "oldest", "backlog"],
+                       rows)
+        lines += ["    " + line for line in lines_of.splitlines()]
+    return "\n".join(lines)
