@@ -28,6 +28,7 @@
     │   └── InvalidMessage                input that is not a usable WS-RM/SOAP envelope (qtp.wsrm.codec)
     └── MessagingError                    the queue runtime (qtp.wsrm)
         ├── BacklogFullError              tx.send on a channel whose unacknowledged backlog is full (retryable)
+        ├── DuplicateApplyError           a message id applied already: its second copy's apply is refused
         ├── TransportError                the peer could not be reached or did not answer (retryable)
         ├── ProtocolError                 an event a WS-RM state machine does not allow; the sequence failed
         └── EncodingError                 an envelope the chosen WS-RM/SOAP version cannot express (a bug)
@@ -169,6 +170,14 @@ class InvalidMessage(WsrmFault):
 
 class MessagingError(QtpError):
     """The queue runtime could not do what was asked (``tx.send``, a handler's delivery, the endpoint)."""
+
+
+class DuplicateApplyError(MessagingError):
+    """Two copies of one message (one MessageID, sent again in another sequence) tried to commit their apply;
+    the second is refused (the memory store's counterpart of the SQL store's primary key). Retrying finds
+    the first applied and consumes the copy without applying it."""
+
+    retryable = True
 
 
 class BacklogFullError(MessagingError):

@@ -11,7 +11,7 @@ from typing import Any
 
 from qtp._render import age, run, table
 from qtp.recovery._node import NodeStatus, node_status
-from qtp.wsrm.runtime._status import messaging_status, render_messaging
+from qtp.wsrm.runtime._status import messaging_status, messaging_warnings, render_messaging
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,6 +25,7 @@ def run_status(args: argparse.Namespace) -> int:
     def compute(config: Any) -> NodeStatus:
         status = node_status(config, warn_age_s=config.warn_prepared_age)
         status.messaging = messaging_status(config)  # type: ignore[attr-defined]
+        status.warnings += messaging_warnings(status.messaging)  # type: ignore[attr-defined]
         return status
 
     def render(status: NodeStatus) -> str:

@@ -127,6 +127,7 @@ def test_a_failing_handler_is_retried_then_dead_lettered_with_a_fault_back(reque
     status = json.loads(_qtp("status", "--json", "--config", server_config))
     kinds = {(q["direction"], q["state"]) for q in status["messaging"]["sequences"]}
     assert ("in", "ACTIVE") in kinds and status["messaging"]["dead_letters"] == 1
+    assert any("1 dead letter(s) wait for an operator" in w for w in status["warnings"]), status["warnings"]
 
 
 def _qtp(*args) -> str:

@@ -225,10 +225,7 @@ def test_a_batch_handler_gets_consecutive_messages_and_a_failing_batch_is_retrie
         return None
 
     receiver.start()
-    tm2 = qtp.TransactionManager(f"s-{uuid.uuid4().hex[:6]}", tmp_path / "logs", recovery_interval=None)
-    tm2.add_resource("app", pg_db("sender"))
-    sender = Node(tm2, NodeSettings(store="app", channels={"out": ChannelSettings("out", peer=receiver.endpoint,
-                                                                                   store="app")})).start()
+    sender = _sender_to(receiver, pg_db("sender"), tmp_path)
     try:
         _send(sender, 200)
         applied = lambda: {n for call in calls for n in call} - {13}  # noqa: E731
@@ -238,6 +235,42 @@ def test_a_batch_handler_gets_consecutive_messages_and_a_failing_batch_is_retrie
         assert [13] in calls  # after its batch failed, 13 alone
         succeeded = [n for call in calls if 13 not in call for n in call]
         assert sorted(succeeded) == sorted(set(succeeded))  # none applied twice
+    finally:
+        qtp.install(None)
+        sender.close()
+        receiver.close()
+
+
+def _sender_to(receiver: Node, url: str, tmp_path: Path) -> Node:
+    """A started node on ``url`` with one channel, ``out``, to ``receiver``."""
+    tm = qtp.TransactionManager(f"s-{uuid.uuid4().hex[:6]}", tmp_path / "logs", recovery_interval=None)
+    tm.add_resource("app", url)
+    channel = ChannelSettings("out", peer=receiver.endpoint, store="app")
+    return Node(tm, NodeSettings(store="app", channels={"out": channel})).start()
+
+
+def test_at_the_dead_letter_cap_a_failing_message_stays_queued(pg_db, tmp_path):
+    url = pg_db("receiver")
+    tm = qtp.TransactionManager(f"r-{uuid.uuid4().hex[:6]}", tmp_path / "receiver", recovery_interval=None)
+    tm.add_resource("app", url)
+    receiver = Node(tm, NodeSettings(endpoint=f"http://127.0.0.1:{free_port()}/rm", store="app",
+                                     limits=Limits(max_attempts=1, max_dead_letters=1, retry_backoff_max=0.5)))
+    tried: list[int] = []
+
+    @receiver.handler(ACTION)
+    def refuse(tx, message):
+        tried.append(int(message.payload.decode()[3:-4]))
+        raise ValueError("refused")
+
+    receiver.start()
+    sender = _sender_to(receiver, pg_db("sender"), tmp_path)
+    try:
+        _send(sender, 2)
+        wait_until(lambda: len(tried) >= 4, 30, "the second message tried again and again")
+        store = receiver.inbound_store
+        with store.local() as s:
+            assert store.summary(s).dead_letters == 1  # the first one
+            assert [m.number for m in store.incoming(s)] == [2]  # the second waits in its queue
     finally:
         qtp.install(None)
         sender.close()

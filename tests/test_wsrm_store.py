@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy
 
 import qtp
+from qtp.errors import DuplicateApplyError
 from qtp.wsrm.protocol import DestinationRecord, InvokerRecord, RMVersion, SourceRecord, SourceState
 from qtp.wsrm.store import DestinationInfo, Incoming, MemoryStore, Outgoing, SourceInfo, SqlStore
 
@@ -240,3 +241,28 @@ def test_incoming_from_a_number_with_a_limit(store):
     with store.local() as s:
         assert [m.number for m in store.incoming(s, "urn:d", start=2, limit=3)] == [2, 3, 4]
         assert [m.number for m in store.incoming(s, "urn:d", start=5)] == [5]
+
+
+def test_applied_message_ids_are_remembered_once_and_forgotten_after_their_retention(store):
+    """A copy of a message sent again in a new sequence is recognised by its MessageID after the original
+    was applied and its stored row consumed; remembering an id twice fails (the apply of a second copy
+    cannot commit); the retention sweep forgets only ids older than its cutoff."""
+    with store.local() as s:
+        assert store.store_incoming(s, _in("urn:old", 1))
+    with store.local() as s:
+        original = store.incoming(s)[0]
+        assert store.consume_many(s, "urn:old", [1]) == 1
+        store.remember_applied(s, [original.message_id], 100.0)
+    with store.local() as s:
+        assert store.incoming(s) == []  # the row is gone: the id alone remembers it
+        assert store.applied_before(s, [original.message_id, "urn:uuid:other"]) == {original.message_id}
+    with pytest.raises((DuplicateApplyError, sqlalchemy.exc.IntegrityError)):
+        with store.local() as s:
+            store.remember_applied(s, [original.message_id], 101.0)
+    with store.local() as s:
+        store.remember_applied(s, ["urn:uuid:later"], 200.0)
+        assert store.consume_many(s, "urn:old", [1]) == 0  # consumed already: a second delivery finds nothing
+    with store.local() as s:
+        assert store.forget_applied(s, before=150.0, limit=10) == 1
+    with store.local() as s:
+        assert store.applied_before(s, [original.message_id, "urn:uuid:later"]) == {"urn:uuid:later"}

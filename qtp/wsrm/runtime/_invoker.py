@@ -1,13 +1,18 @@
 """The invoker: applies stored messages with the application's handlers, each in a global transaction.
 
 Theory (the dissertation's InvokerBuffer, chapter 3). In ``xa`` mode the delivery transaction does three
-things on one global transaction: it deletes the stored message (the *dequeue*), runs the handler (the
+things (four: below) on one global transaction: it deletes the stored message (the *dequeue*), runs the handler (the
 application's own updates, on any resources), and saves the sequence's invoker record with the number
 marked delivered; for request-reply it also enqueues the reply on the sequence the peer offered. Either
 all of them commit or none: a handler that raises, a branch that votes no, or a crash before the decision
 leaves the message stored, and it is delivered again. The dequeue runs first, so two deliveries of one
 message can never both commit: the second finds nothing to delete (or waits on the first's row lock, and
 then finds nothing) and is recognised as already applied.
+
+The fourth: the same transaction remembers each applied message's MessageID (``qtp_rm_applied``, kept for
+``dedup_retention``) and skips any it finds there. A sender that lost its acknowledgements (killed
+before applying them) and whose old sequence the destination has since forgotten sends the messages again
+in a new sequence, with new numbers but the same MessageIDs; they are consumed without being applied.
 
 In ``persistent`` and ``memory`` modes the handler's transaction does only the application's work, and
 the dequeue follows in a local transaction of the store after it committed: a crash between the two
@@ -342,13 +347,16 @@ class Invoker:
             numbers = [m.number for m in messages]
             if isinstance(session, Buffered):
                 session.record("consume_many", identifier, numbers)
-            elif self.store.consume_many(session, identifier, numbers) != len(numbers):
-                raise _AlreadyApplied()
-            if isinstance(handler, _Batch):
-                results = handler.apply(tx, messages)
+                fresh = messages
             else:
-                results = [handler(tx, m) for m in messages]
-            for message, result in zip(messages, results):
+                if self.store.consume_many(session, identifier, numbers) != len(numbers):
+                    raise _AlreadyApplied()
+                fresh = self._not_applied_before(session, messages)
+            if isinstance(handler, _Batch):
+                results = handler.apply(tx, fresh) if fresh else []
+            else:
+                results = [handler(tx, m) for m in fresh]
+            for message, result in zip(fresh, results):
                 reply = self._reply(message, result)
                 if reply is not None:
                     self._write(session, "enqueue", reply)
@@ -360,6 +368,18 @@ class Invoker:
             node.metrics.delivered.inc()
             node.metrics.latency.observe(max(0.0, now - (message.enqueued_at or message.received_at)))
         self._committed(identifier, messages[0].number, [m.number for m in messages[1:]])
+
+    def _not_applied_before(self, session: Any, messages: list[Incoming]) -> list[Incoming]:
+        """The messages whose MessageID was not applied before (under another sequence: their sender sent them
+        again after the destination forgot the first one), remembered as applied by this transaction."""
+        seen = self.store.applied_before(session, [m.message_id for m in messages])
+        for m in messages:
+            if m.message_id in seen:
+                log.warning("message %s (%s #%d) was applied before, under another sequence; consumed, not "
+                            "applied again", m.message_id, m.identifier, m.number)
+        fresh = [m for m in messages if m.message_id not in seen]
+        self.store.remember_applied(session, [m.message_id for m in fresh], time.time())
+        return fresh
 
     def _write(self, session: Any, method: str, *args: Any) -> None:
         if isinstance(session, Buffered):
@@ -429,15 +449,26 @@ class Invoker:
         error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         attempts = message.attempts + 1
         now = time.time()
-        if attempts >= limits.max_attempts:
+        if attempts >= limits.max_attempts and not self._dead_letters_full():
             self._dead_letter(replace(message, attempts=attempts, last_error=error), error, now)
             return
         delay = min(limits.retry_backoff * 2 ** (attempts - 1), limits.retry_backoff_max)
-        log.warning("handler failed for %s #%d (attempt %d of %d, next in %.1f s): %s", message.identifier,
-                    message.number, attempts, limits.max_attempts, delay, error)
+        if attempts >= limits.max_attempts:
+            delay = limits.retry_backoff_max
+            log.error("message %s (%s #%d) failed %d times, but the dead letters are at their cap ([limits] "
+                      "max_dead_letters = %d): it stays queued and its sequence waits; act on the dead letters "
+                      "(qtp dead-letters list|retry|drop)", message.message_id, message.identifier, message.number,
+                      attempts, limits.max_dead_letters)
+        else:
+            log.warning("handler failed for %s #%d (attempt %d of %d, next in %.1f s): %s", message.identifier,
+                        message.number, attempts, limits.max_attempts, delay, error)
         with self.store.local() as s:
             self.store.note_failure(s, message.identifier, message.number, error, now + delay)
         self._abort(message.identifier, message.number, at=now + delay)
+
+    def _dead_letters_full(self) -> bool:
+        with self.store.local() as s:
+            return self.store.summary(s).dead_letters >= self.node.limits.max_dead_letters
 
     def _dead_letter(self, message: Incoming, error: str, now: float) -> None:
         record = self._delivered_record(message.identifier, [message.number])

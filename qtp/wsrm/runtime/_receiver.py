@@ -70,6 +70,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("qtp.wsrm.receiver")
 
 D = DestinationState
+SWEEP_INTERVAL_S = 60.0  # how often applied MessageIDs past their retention are looked for
+SWEEP_BATCH = 1000
 _ENQUEUED_PREFIX = "urn:qtp:m:"
 
 
@@ -104,6 +106,7 @@ class Receiver:
         self._mutex = threading.Lock()
         self._stale: set[str] = set()  # sequences whose last store transaction ended with an error
         self._arrivals: dict[str, list[_Arrival]] = {}  # requests waiting for their sequence's next commit
+        self._next_sweep = 0.0
 
     def load(self) -> None:
         with self.store.local() as s:
@@ -372,7 +375,11 @@ class Receiver:
         return self.fault(env, SequenceFault(FaultCode.SEQUENCE_TERMINATED, identifier, str(exc)))
 
     def tick(self, now: float) -> None:
-        """Inactivity and expiry of inbound sequences; ended ones are forgotten after ``ended_retention``."""
+        """Inactivity and expiry of inbound sequences; ended ones are forgotten after ``ended_retention``;
+        applied MessageIDs older than ``dedup_retention`` are forgotten, in batches."""
+        if now >= self._next_sweep:
+            self._next_sweep = now + SWEEP_INTERVAL_S
+            self.sweep(now)
         retention = self.node.limits.ended_retention
         for identifier, machine in list(self._machines.items()):
             record = machine.record
@@ -383,6 +390,16 @@ class Receiver:
             at = machine.next_timer(record)
             if at is not None and at <= now:
                 self._event(_NO_ENVELOPE, identifier, TimerFired(now))
+
+    def sweep(self, now: float) -> int:
+        """Forget the applied MessageIDs older than ``dedup_retention``, ``SWEEP_BATCH`` per statement."""
+        forgotten, cutoff = 0, now - self.node.limits.dedup_retention
+        while True:
+            with self.store.local() as s:
+                count = self.store.forget_applied(s, cutoff, SWEEP_BATCH)
+            forgotten += count
+            if count < SWEEP_BATCH:
+                return forgotten
 
     def finished(self, identifier: str) -> None:
         """Every message of an ended sequence was applied: keep only its record, so that late messages still

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from qtp.coordinator.failpoints import failpoint
 from qtp.errors import QtpError
 from qtp.wsrm.codec import (
     BATCH_CONTENT_TYPE,
@@ -612,6 +613,8 @@ class Sender:
     def _apply_acks(self, now: float) -> None:
         with self._mutex:
             waiting, self._acks = self._acks, {}
+        if waiting:
+            failpoint("before_acks_applied")  # the peer stored and acknowledged; nothing deleted here yet
         for ack in waiting.values():
             self._by_identifier(ack.identifier, AckReceived(ack, now))
 

@@ -50,6 +50,11 @@ class Limits:
     - ``inactivity_timeout``: an inbound sequence silent this long is ended (seconds).
     - ``ended_retention``: an ended inbound sequence is remembered this long (late messages get
       SequenceTerminated rather than UnknownSequence), then forgotten.
+    - ``dedup_retention``: how long the MessageID of an applied message is remembered (``xa`` mode), so
+      that a copy sent again in a new sequence is not applied twice; longer than ``inactivity_timeout`` +
+      ``ended_retention``, after which a destination forgets a sequence.
+    - ``max_dead_letters``: dead letters kept at most; at the cap a message whose handler keeps failing
+      stays queued (retried every ``retry_backoff_max``) instead of becoming a dead letter.
     - ``invoker_batch``: consecutive messages of one sequence applied in one global transaction (all or
       none; a batch that fails is applied again one message per transaction).
     - ``sender_threads`` / ``invoker_threads`` / ``http_threads``: worker threads.
@@ -72,6 +77,8 @@ class Limits:
     inactivity_timeout: float = 24 * 3600.0
     ended_retention: float = 3600.0
     invoker_batch: int = 128
+    dedup_retention: float = 7 * 24 * 3600.0
+    max_dead_letters: int = 10_000
     sender_threads: int = 8
     invoker_threads: int = 4
     http_threads: int = 16
@@ -216,6 +223,12 @@ def node_settings(messaging: dict[str, Any], resources: set[str]) -> NodeSetting
 
 def check(settings: NodeSettings) -> None:
     """Cross-setting rules, for settings built in code as well as from a file."""
+    limits = settings.limits
+    if limits.dedup_retention <= limits.inactivity_timeout + limits.ended_retention:
+        raise ConfigurationError(
+            f"[limits] dedup_retention ({limits.dedup_retention:g} s) must be longer than inactivity_timeout + "
+            f"ended_retention ({limits.inactivity_timeout + limits.ended_retention:g} s): a destination forgets "
+            "a sequence after those, and a message its sender sends again must still be recognised")
     if settings.store is None and settings.mode != "memory" and settings.endpoint is not None:
         raise ConfigurationError("[node] store = \"RESOURCE\" is needed to receive messages in mode "
                                  f"{settings.mode!r} (or set [node] mode = \"memory\")")

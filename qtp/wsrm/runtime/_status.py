@@ -69,7 +69,22 @@ def messaging_status(config: Config) -> dict[str, Any]:
                 backlog += sum(summary.incoming.values())
         finally:
             engine.dispose()
-    return {"sequences": sequences, "dead_letters": dead, "invoker_backlog": backlog}
+    limits = node_settings(config.messaging, set(config.resources)).limits
+    return {"sequences": sequences, "dead_letters": dead, "invoker_backlog": backlog,
+            "max_dead_letters": limits.max_dead_letters}
+
+
+def messaging_warnings(status: dict[str, Any]) -> list[str]:
+    """What an operator must act on: dead letters (each waits for a decision), and the cap they reach."""
+    dead, cap = status["dead_letters"], status.get("max_dead_letters")
+    if not dead:
+        return []
+    warning = (f"{dead} dead letter(s) wait for an operator (qtp dead-letters list, then retry or drop "
+               "them)")
+    if cap is not None and dead >= cap:
+        warning += (f"; the cap of {cap} ([limits] max_dead_letters) is reached: a message whose handler "
+                    "keeps failing now stays queued and holds up its sequence")
+    return [warning]
 
 
 def render_messaging(status: dict[str, Any]) -> str:

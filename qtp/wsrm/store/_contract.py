@@ -12,7 +12,11 @@ dissertation (seed 000, chapter 4):
 - **incoming messages**: the payloads the destination accepted, stored before they are acknowledged and
   deleted by the transaction that applies them (the *dequeue*);
 - **invoker records**: one ``InvokerRecord`` per destination sequence, the numbers already applied;
-- **dead letters**: messages whose handler kept failing, with the error text.
+- **dead letters**: messages whose handler kept failing, with the error text;
+- **applied message ids**: the WS-Addressing MessageID of every message applied in ``xa`` mode, kept for
+  ``dedup_retention``; a message sent again in a *new* sequence (its sender lost the acknowledgements
+  and the destination forgot the old sequence) keeps its MessageID and is recognised here, consumed and
+  not applied again.
 
 Every method takes a *session* ``s`` as its first argument. A session is the store's unit of atomicity:
 
@@ -36,6 +40,10 @@ Rules every implementation keeps (tests/test_wsrm_store.py runs them on memory, 
   that session committed, and is absent if it rolled back. A source record is read back without its
   ``pending`` list: those numbers are the outgoing rows still numbered in the sequence (``numbered()``),
   so a save writes a few hundred bytes however many messages are in flight.
+- ``applied_before`` / ``remember_applied`` are called in the apply transaction; a MessageID is remembered
+  at most once (a second ``remember_applied`` of it fails the transaction, as a primary key does), so two
+  copies of a message can never both commit their apply. ``forget_applied`` deletes ids remembered
+  before a time, in batches.
 - ``store_incoming_many`` stores a batch of a sequence's messages in as few statements as the database
   allows, skipping those already stored.
 """
@@ -221,6 +229,18 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def consume(self, s: Any, identifier: str, number: int) -> bool:
         """The dequeue: delete a stored message. False when it was not there."""
+
+    @abc.abstractmethod
+    def applied_before(self, s: Any, message_ids: list[str]) -> set[str]:
+        """Which of ``message_ids`` were applied already (and are still remembered)."""
+
+    @abc.abstractmethod
+    def remember_applied(self, s: Any, message_ids: list[str], now: float) -> None:
+        """``message_ids`` are applied by the transaction of session ``s``."""
+
+    @abc.abstractmethod
+    def forget_applied(self, s: Any, before: float, limit: int) -> int:
+        """Forget up to ``limit`` ids remembered before ``before``; how many were forgotten."""
 
     def consume_many(self, s: Any, identifier: str, numbers: list[int]) -> int:
         """``consume`` for several messages of one sequence; how many were there."""

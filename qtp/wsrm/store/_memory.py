@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from qtp.errors import DuplicateApplyError
 from qtp.wsrm.protocol import AckRanges, DestinationRecord, InvokerRecord, SourceRecord
 from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.store._contract import DeadLetter, DestinationInfo, Incoming, Outgoing, SourceInfo, Store, Summary
@@ -28,6 +29,7 @@ class _Data:
     incoming: dict[tuple[str, int], Incoming] = field(default_factory=dict)
     invokers: dict[str, InvokerRecord] = field(default_factory=dict)
     dead: dict[int, DeadLetter] = field(default_factory=dict)
+    applied: dict[str, float] = field(default_factory=dict)
 
 
 class MemoryStore(Store):
@@ -128,6 +130,21 @@ class MemoryStore(Store):
         chosen = [m for key, m in sorted(s.incoming.items())
                   if (identifier is None or key[0] == identifier) and (start is None or key[1] >= start)]
         return chosen if limit is None else chosen[:limit]
+
+    def applied_before(self, s: _Data, message_ids: list[str]) -> set[str]:
+        return {m for m in message_ids if m in s.applied}
+
+    def remember_applied(self, s: _Data, message_ids: list[str], now: float) -> None:
+        known = self.applied_before(s, message_ids)
+        if known or len(set(message_ids)) != len(message_ids):
+            raise DuplicateApplyError(f"message ids applied already: {sorted(known) or message_ids}")
+        s.applied.update((m, now) for m in message_ids)
+
+    def forget_applied(self, s: _Data, before: float, limit: int) -> int:
+        old = [m for m, at in s.applied.items() if at < before][:limit]
+        for m in old:
+            del s.applied[m]
+        return len(old)
 
     def consume(self, s: _Data, identifier: str, number: int) -> bool:
         return s.incoming.pop((identifier, number), None) is not None

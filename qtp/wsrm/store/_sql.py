@@ -112,6 +112,13 @@ dead_letters = sa.Table(
     sa.Column("failed_at", sa.Float(53), nullable=False),
 )
 
+applied = sa.Table(
+    "qtp_rm_applied", metadata,
+    sa.Column("message_id", _ID, primary_key=True),
+    sa.Column("applied_at", sa.Float(53), nullable=False),
+    sa.Index("qtp_rm_applied_at", "applied_at"),
+)
+
 _INCOMING_FIELDS = ("identifier", "number", "message_id", "action", "payload", "relates_to", "fault",
                     "received_at", "enqueued_at", "attempts", "not_before", "last_error")
 
@@ -273,6 +280,24 @@ class SqlStore(Store):
         result = s.execute(incoming.delete().where(incoming.c.identifier == identifier,
                                                    incoming.c.number == number))
         return result.rowcount == 1
+
+    def applied_before(self, s: Connection, message_ids: list[str]) -> set[str]:
+        if not message_ids:
+            return set()
+        query = sa.select(applied.c.message_id).where(applied.c.message_id.in_(message_ids))
+        return {row[0] for row in s.execute(query)}
+
+    def remember_applied(self, s: Connection, message_ids: list[str], now: float) -> None:
+        """A plain INSERT: a MessageID remembered already violates the primary key and fails the apply."""
+        if message_ids:
+            s.execute(applied.insert(), [{"message_id": m, "applied_at": now} for m in message_ids])
+
+    def forget_applied(self, s: Connection, before: float, limit: int) -> int:
+        old = sa.select(applied.c.message_id).where(applied.c.applied_at < before).limit(limit)
+        ids = [row[0] for row in s.execute(old)]
+        if not ids:
+            return 0
+        return s.execute(applied.delete().where(applied.c.message_id.in_(ids))).rowcount
 
     def consume_many(self, s: Connection, identifier: str, numbers: list[int]) -> int:
         if not numbers:
