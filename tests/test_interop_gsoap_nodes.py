@@ -16,6 +16,7 @@ Loss comes from ``RecordingProxy``'s drop callback (tests/interop/gsoap_peer.py)
 from __future__ import annotations
 
 import itertools
+import time
 import subprocess
 from pathlib import Path
 
@@ -39,7 +40,8 @@ def _schema(url: str) -> None:
     create(url, "CREATE TABLE sent (k int PRIMARY KEY)")
 
 
-def _config(folder: Path, app: str, port: int, channel: str = "", limits: str = "") -> Path:
+def _config(folder: Path, app: str, port: int, channel: str = "", limits: str = "", defaults: bool = False) -> Path:
+    """The node's qtp.toml; ``defaults``: the node's own limits, not the tests' faster retransmission."""
     path = folder / "qtp.toml"
     path.write_text(f'''
 [node]
@@ -57,7 +59,7 @@ url = "{app}"
 interval = 2
 
 [limits]
-{LIMITS}
+{"" if defaults else LIMITS}
 {limits}
 {channel}''')
     return path
@@ -95,8 +97,8 @@ def qtp_node(tmp_path):
     started: list[NodeProcess] = []
 
     def make(app: str, channel: str = "", env: dict[str, str] | None = None, limits: str = "",
-             port: int | None = None) -> NodeProcess:
-        config = _config(tmp_path, app, port or free_port(), channel, limits)
+             port: int | None = None, defaults: bool = False) -> NodeProcess:
+        config = _config(tmp_path, app, port or free_port(), channel, limits, defaults)
         env = {"PYTHONPATH": str(TESTS), **(env or {})}
         node = NodeProcess(config, tmp_path / "node.log", env, app=APP)
         started.append(node)
@@ -357,3 +359,49 @@ def test_plugfest_qtp_source_starts_over_when_a_restarted_gsoap_knows_its_sequen
     for identifier in {d.identifier for d in after}:
         keys = [int(d.text.split("-")[1]) for d in after if d.identifier == identifier]
         assert keys == sorted(keys) and len(set(keys)) == len(keys)
+
+
+# ---------------------------------------------------------------------------- a strict gSOAP, qtp at its defaults
+
+
+def _channel_at_defaults(peer: str, rm: str) -> str:
+    """Only what must be said: WS-RM version and addressing; every limit and option at qtp's default."""
+    return f'''
+[channels.gsoap]
+peer = "{peer}"
+wsrm = "{rm}"
+addressing = "{'2005/08' if rm == '1.1' else '2004/08'}"
+'''
+
+
+def _in_order(delivered: list) -> str:
+    return " ".join(f"{d.text}@{d.number}" for d in delivered)
+
+
+@pytest.mark.parametrize("rm", ["1.1", "1.0"])
+def test_a_strict_gsoap_at_its_defaults_gets_30_messages_in_order_within_5_s(app_db, qtp_node, rm):
+    """gSOAP's server at its defaults discards a message that arrives after a gap (no wait_ms). A qtp node at
+    its defaults sends one sequence's messages one request at a time in number order, so none is
+    discarded: 30 messages committed at once are delivered, in order, within 5 s of starting the node
+    (its start-up included)."""
+    app = app_db("pg")
+    with GsoapServer(free_port(), rm, wait_ms=0) as server:
+        began = time.monotonic()
+        qtp_node(app, _channel_at_defaults(server.url, rm), {"QTP_TEST_SEND": "30"}, defaults=True)
+        delivered = server.wait_for(30, timeout=max(0.1, began + 5.0 - time.monotonic()))
+        took = time.monotonic() - began
+    texts = [d.text for d in delivered]
+    assert texts == [f"qtp-{k}" for k in range(1, 31)], f"{len(texts)} of 30 in {took:.1f} s: {_in_order(delivered)}"
+
+
+@pytest.mark.parametrize("rm", ["1.1", "1.0"])
+def test_a_strict_gsoap_behind_a_lossy_network_gets_every_message(app_db, qtp_node, rm):
+    """The same through a proxy that drops, duplicates and delays: every message arrives once, in order
+    (gSOAP delivers each number once); a lost one costs a retransmission timeout, hence the longer bound."""
+    app = app_db("pg")
+    with GsoapServer(free_port(), rm, wait_ms=0) as server, \
+            LossyProxy(server.url, drop_request=0.1, drop_response=0.1, duplicate_request=0.1, seed=3) as proxy:
+        qtp_node(app, _channel_at_defaults(proxy.url, rm), {"QTP_TEST_SEND": "30"}, defaults=True)
+        delivered = server.wait_for(30, timeout=60)
+    texts = [d.text for d in delivered]
+    assert texts == [f"qtp-{k}" for k in range(1, 31)], f"{len(texts)} of 30: {_in_order(delivered)}"
