@@ -7,6 +7,8 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
 
 - (a) qtp ``xa``, each node's queues in its own application database (one local commit per send and apply);
 - (b) qtp ``xa``, each node's queues in the other database (two-phase commit at both ends);
+- (r) as (a), request-reply: the server's handler answers each order, the client applies each reply in a
+  transaction (replies/s reported beside);
 - (s) **the strong baseline**, what a user would hand-write: an ``outbox`` row written in the client's
   local transaction; one relay thread takes up to 500 rows (``FOR UPDATE SKIP LOCKED``, in id order),
   sends them in one POST (JSON), and deletes them on a 200 in the same transaction; the server inserts the
@@ -22,7 +24,7 @@ given load); ``--batch-handler`` makes the qtp server apply with a batch handler
 transaction, as the strong baseline does). The client CPU of (s) and (c) is this process's (its app and
 relay threads, plus the polling of the measurement). Results: a table on stdout and ``--json``.
 
-    python benchmarks/e2e_throughput.py [--messages 2000] [--rounds 2] [--threads 1,16] [--variants a,b,s,c]
+    python benchmarks/e2e_throughput.py [--messages 2000] [--rounds 2] [--threads 1,16] [--variants a,b,r,s,c]
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ from qtp.testing.nodes import NodeProcess, Pair, client_schema, counter, create,
 
 HERE = Path(__file__).resolve().parent
 PAD = 1000 - len('<order xmlns="urn:test" k="12345"></order>')
-LABELS = {"a": "qtp xa, queues co-located", "b": "qtp xa, queues in the other db", "s": "strong outbox baseline",
-          "c": "serial outbox baseline"}
+LABELS = {"a": "qtp xa, queues co-located", "b": "qtp xa, queues in the other db",
+          "r": "qtp xa, co-located, request-reply", "s": "strong outbox baseline", "c": "serial outbox baseline"}
 STRONG_BATCH = 500
 
 
@@ -66,7 +68,7 @@ def _fresh(server, name: str) -> str:
 
 
 def _measure(server_url: str, client_url: str, total: int, began: float, timeout: float,
-             metrics: str | None = None, cpu: CpuMeter | None = None) -> dict:
+             metrics: str | None = None, cpu: CpuMeter | None = None, replies: bool = False) -> dict:
     """Poll the stages: orders committed at the client (the sending transactions), messages stored at the
     server (qtp: its received counter), messages applied. Each stage's rate is taken between 10 % and 90 %
     of the messages; latency is every message's enqueue-to-apply time."""
@@ -74,6 +76,8 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
               "applied": lambda: rows(server_url, "SELECT COUNT(*) FROM applied")[0][0]}
     if metrics:
         stages["stored"] = lambda: counter(metrics, "qtp_messages_received_total") or 0.0
+    if replies:
+        stages["replied"] = lambda: rows(client_url, "SELECT COUNT(*) FROM replies")[0][0]
     marks: dict[tuple[str, float], float] = {}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -83,7 +87,7 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
             for share in (0.1, 0.9):
                 if (name, share) not in marks and n >= share * total:
                     marks[name, share] = now
-        if counts["applied"] >= total:
+        if counts["applied"] >= total and counts.get("replied", total) >= total:
             break
         time.sleep(0.05)
     latencies = sorted(v for (v,) in rows(server_url, "SELECT lat_ms FROM applied") if v is not None)
@@ -107,13 +111,12 @@ def _databases_cpu(pg, maria) -> dict[str, int | None]:
 
 
 def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, tag: str,
-            rate: float | None = None, batch_handler: bool = False) -> dict:
+            rate: float | None = None, batch_handler: bool = False, reply: bool = False) -> dict:
     client_app, server_app = _fresh(pg, f"tc_{tag}"), _fresh(maria, f"ts_{tag}")
     client_schema(client_app)
     server_schema(server_app)
     stores = {"client_store": _fresh(maria, f"tcs_{tag}"), "server_store": _fresh(pg, f"tss_{tag}")} if other else {}
-    pair = Pair(client_app, server_app, reply=False, limits="max_unacknowledged = 512",
-                **stores)
+    pair = Pair(client_app, server_app, reply=reply, **stores)
     run = folder / tag
     run.mkdir(parents=True, exist_ok=True)
     client_config, server_config = pair.write(run)
@@ -128,7 +131,8 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
     cpu = CpuMeter({"client": client.proc.pid, "server": server.proc.pid, **_databases_cpu(pg, maria)})
     try:
         metrics = f"http://127.0.0.1:{pair.server_port}/metrics"
-        return _measure(server_app, client_app, messages, began, timeout=600, metrics=metrics, cpu=cpu)
+        return _measure(server_app, client_app, messages, began, timeout=600, metrics=metrics, cpu=cpu,
+                        replies=reply)
     finally:
         client.stop()
         server.stop()
@@ -239,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", default="1,16")
-    parser.add_argument("--variants", default="a,b,s,c", help="a, b (qtp), s (strong), c (serial); see above")
+    parser.add_argument("--variants", default="a,b,r,s,c", help="a, b, r (qtp), s (strong), c (serial); see above")
     parser.add_argument("--rate", type=float, default=None, help="pace the senders at this many messages/s")
     parser.add_argument("--batch-handler", action="store_true", help="the qtp server applies with a batch handler")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
@@ -258,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_outbox(pg, maria, folder, args.messages, threads, tag, variant == "s", args.rate)
                 else:
                     r = run_qtp(pg, maria, folder, args.messages, threads, variant == "b", tag, args.rate,
-                                args.batch_handler)
+                                args.batch_handler, reply=variant == "r")
                 r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate,
                          batch_handler=args.batch_handler)
                 results.append(r)
@@ -278,21 +282,22 @@ def summarise(results: list[dict]) -> dict:
             runs = [r for r in results if r["threads"] == threads and r["variant"] == variant]
             if runs:
                 row[variant] = {name: statistics.median(r.get(name, 0.0) for r in runs)
-                                for name in ("rate", "sent_rate", "stored_rate", "p50_ms", "p99_ms")}
+                                for name in ("rate", "sent_rate", "stored_rate", "replied_rate", "p50_ms", "p99_ms")}
                 row[variant]["cpu_ms_per_msg"] = {
                     proc: round(statistics.median(r["cpu_ms_per_msg"][proc] for r in runs), 3)
                     for proc in runs[0].get("cpu_ms_per_msg", {})}
         for base in ("s", "c"):
             if base in row and row[base]["rate"]:
-                for variant in ("a", "b"):
+                for variant in ("a", "b", "r"):
                     if variant in row:
                         row[variant][f"ratio_to_{base}"] = round(row[variant]["rate"] / row[base]["rate"], 2)
         summary[threads] = row
         for variant, x in row.items():
             ratios = "".join(f" = {x[k]:.2f}x ({k[-1]})" for k in ("ratio_to_s", "ratio_to_c") if k in x)
             cpu = " ".join(f"{proc} {ms:.2f}" for proc, ms in x["cpu_ms_per_msg"].items())
-            print(f"{threads:2d} thread(s) ({variant}) {LABELS[variant]:32s} {x['rate']:7.1f} msg/s{ratios}; sent "
-                  f"{x['sent_rate']:.0f}/s; p50 {x['p50_ms']:.1f} ms p99 {x['p99_ms']:.1f} ms; CPU ms/msg: {cpu}")
+            replied = f"; replies {x['replied_rate']:.0f}/s" if x.get("replied_rate") else ""
+            print(f"{threads:2d} thread(s) ({variant}) {LABELS[variant]:34s} {x['rate']:7.1f} msg/s{ratios}{replied}; "
+                  f"sent {x['sent_rate']:.0f}/s; p50 {x['p50_ms']:.1f} ms p99 {x['p99_ms']:.1f} ms; CPU ms/msg: {cpu}")
     return summary
 
 
