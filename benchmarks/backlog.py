@@ -24,8 +24,8 @@ import sqlalchemy as sa
 from e2e_throughput import PAD, _fresh
 
 from qtp.embedded import DEFAULT_ROOT, EmbeddedMariaDB, EmbeddedPostgres
-from qtp.wsrm.store import SqlStore
 from qtp.testing.nodes import NodeProcess, Pair, client_schema, rows, server_schema, wait_until
+from qtp.wsrm.store import SqlStore
 
 TABLES = ("qtp_rm_outgoing", "qtp_rm_source", "qtp_rm_destination", "qtp_rm_incoming", "qtp_rm_invoker",
           "qtp_rm_applied", "qtp_rm_dead_letter")
