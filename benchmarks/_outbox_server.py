@@ -1,4 +1,4 @@
-"""The hand-written baselines' server side (benchmarks/e2e_throughput.py variants s and c), in waitress.
+"""The hand-written baselines' server side (benchmarks/e2e_throughput.py variants s and c), in cheroot (the server qtp nodes use).
 
 What a user writes without qtp. ``POST /`` (serial baseline, c): one message per request (id and enqueue
 time in headers); one local transaction inserts the id into an ``inbox`` table (its primary key makes a
@@ -59,6 +59,6 @@ def app_for(url: str):
 
 
 if __name__ == "__main__":
-    from waitress import serve
+    from cheroot import wsgi
 
-    serve(app_for(sys.argv[1]), host="127.0.0.1", port=int(sys.argv[2]), threads=16, _quiet=True)
+    wsgi.Server(("127.0.0.1", int(sys.argv[2])), app_for(sys.argv[1]), numthreads=16).safe_start()

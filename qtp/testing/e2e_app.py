@@ -26,6 +26,7 @@ import os
 import re
 import threading
 import time
+import uuid
 
 import sqlalchemy as sa
 from sqlalchemy import text
@@ -80,8 +81,8 @@ else:
 if "orders" in node.channels and node.channels["orders"].reply:
     @node.reply_handler("orders")
     def replied(tx, reply):
-        if reply.fault is not None:
-            k, kind = int(re.search(r"order (\d+)", reply.fault).group(1)), "fault"
+        if reply.fault is not None:  # the fault says only that order was not processed: which, its RelatesTo says
+            k, kind = int(re.search(r":order-(\d+)-", reply.relates_to).group(1)), "fault"
         else:
             k, kind = _order(reply.payload), "reply"
         tx.connection("app").execute(text("INSERT INTO replies (k, kind) VALUES (:k, :kind)"), {"k": k, "kind": kind})
@@ -106,7 +107,8 @@ def _send(count: int, abort_every: int, lane: int, lanes: int, padding: str, rat
             try:
                 with qtp.transaction() as tx:
                     tx.connection("app").execute(text("INSERT INTO orders (k) VALUES (:k)"), {"k": k})
-                    tx.send("orders", f'<order xmlns="urn:test" k="{k}">{padding}</order>'.encode(), action=ACTION)
+                    tx.send("orders", f'<order xmlns="urn:test" k="{k}">{padding}</order>'.encode(), action=ACTION,
+                            message_id=f"urn:qtp:m:{int(time.time() * 1e6)}:order-{k}-{uuid.uuid4().hex}")
                     if abort_every and k % abort_every == 0:
                         raise Abort()
                 break

@@ -66,6 +66,9 @@ class Pair:
     client_port: int = 0
     proxy_port: int | None = None     # the client talks to this port (a lossy proxy) instead of the server
     back_proxy_port: int | None = None  # the server reaches the client through this port (replies, acks)
+    secret: str | None = None         # both nodes authenticate each other with it and take nothing anonymous
+    server_extra: str = ""            # more TOML for the server ([peers.*] of other clients, ...)
+    client_extra: str = ""
 
     def __post_init__(self) -> None:
         self.server_port = self.server_port or free_port()
@@ -83,12 +86,26 @@ wsrm = "{self.wsrm}"
 soap = "{self.soap}"
 reply = {str(self.reply).lower()}
 acks_to = "{self.acks_to}"
-''', advertised=self.back_proxy_port)
+{self.client_extra}''', advertised=self.back_proxy_port)
         server = _toml("server", self.server_app, self.server_store, self.server_port, self.mode, self.limits,
-                       folder, "")
+                       folder, self.server_extra)
+        if self.secret is not None:
+            client += _peer(node_id("server", folder), f"http://127.0.0.1:{peer}/rm", self.secret)
+            server += _peer(node_id("client", folder),
+                            f"http://127.0.0.1:{self.back_proxy_port or self.client_port}/rm", self.secret)
+            client = client.replace("\n[node]\n", "\n[node]\nallow_anonymous = false\n", 1)
+            server = server.replace("\n[node]\n", "\n[node]\nallow_anonymous = false\n", 1)
         (folder / "client.toml").write_text(client)
         (folder / "server.toml").write_text(server)
         return folder / "client.toml", folder / "server.toml"
+
+
+def node_id(role: str, folder: Path) -> str:
+    return f"{role}-{folder.name[-20:].replace('_', '-')}"
+
+
+def _peer(name: str, endpoint: str, secret: str) -> str:
+    return f'\n[peers.{name}]\nendpoint = "{endpoint}"\nsecret = "{secret}"\n'
 
 
 def _toml(role: str, app: str, store: str | None, port: int, mode: str, limits: str, folder: Path,
@@ -96,7 +113,7 @@ def _toml(role: str, app: str, store: str | None, port: int, mode: str, limits: 
     store_resource = f'\n[resources.store]\nurl = "{store}"\n' if store else ""
     return f'''
 [node]
-id = "{role}-{folder.name[-20:].replace('_', '-')}"
+id = "{node_id(role, folder)}"
 log_dir = "{folder / 'logs'}"
 endpoint = "http://127.0.0.1:{advertised or port}/rm"
 listen = "127.0.0.1:{port}"
@@ -130,8 +147,10 @@ class NodeProcess:
         self.log = log
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
-        self.port = int(next(line for line in config.read_text().splitlines()
+        text = config.read_text()
+        self.port = int(next(line for line in text.splitlines()
                              if line.startswith("listen")).rsplit(":", 1)[1].strip('"'))
+        self.scheme = "https" if "\ntls_cert" in text else "http"
 
     def start(self, timeout: float = 60.0) -> "NodeProcess":
         env = dict(os.environ, QTP_TEST_CONFIG=str(self.config), **self.env)
@@ -143,7 +162,8 @@ class NodeProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"node {self.config.name} exited with {self.proc.returncode}:\n{self.tail()}")
             try:
-                if requests.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
+                if requests.get(f"{self.scheme}://127.0.0.1:{self.port}/health", timeout=1,
+                                verify=False).status_code == 200:
                     return self
             except requests.RequestException:
                 pass

@@ -108,6 +108,11 @@ def _deeper_than(max_depth: int) -> etree.XPath:
     return etree.XPath("boolean(" + "/*" * (max_depth + 1) + ")")
 
 
+MAX_IDENTIFIER = 255  # sequence Identifiers, MessageID, RelatesTo: what the store's key columns hold
+MAX_ADDRESS = 2048    # an endpoint reference's Address
+MAX_ACTION = 1024     # the store's action column
+
+
 def _split(tag: str) -> tuple[str, str]:
     if tag[:1] == "{":
         ns, _, local = tag[1:].partition("}")
@@ -130,6 +135,8 @@ def _identifier(element: Any, parent: Any) -> str:
     value = _text(element)
     if not value:
         raise _bad(f"{_split(parent.tag)[1]} has an empty Identifier")
+    if len(value) > MAX_IDENTIFIER:
+        raise _bad(f"{_split(parent.tag)[1]} has an Identifier of {len(value)} characters; at most {MAX_IDENTIFIER}")
     return value
 
 
@@ -217,6 +224,8 @@ class _Reader:
             if version is not None:
                 self.see_wsa(version)
                 value = _text(child)
+                if len(value) > MAX_ADDRESS:
+                    raise _bad(f"{what} has an Address of {len(value)} characters; at most {MAX_ADDRESS}")
                 if value:
                     return value
         raise _bad(f"{what} has no Address")
@@ -297,6 +306,12 @@ def _envelope(reader: _Reader, root: Any) -> Envelope:
     if header is not None:
         _header(reader, header)
     content, payload = _body(reader, body)
+    for key in ("message_id", "relates_to"):
+        value = reader.addressing.get(key)
+        if value is not None and len(value) > MAX_IDENTIFIER:
+            raise _bad(f"the {key.replace('_', ' ')} has {len(value)} characters; at most {MAX_IDENTIFIER}")
+    if len(reader.addressing.get("action") or "") > MAX_ACTION:
+        raise _bad(f"the Action has more than {MAX_ACTION} characters")
     return Envelope(reader.soap, reader.rm, reader.wsa, Addressing(**reader.addressing), reader.sequence,
                     tuple(reader.acks), tuple(reader.ack_requests), content, payload)
 

@@ -1,4 +1,4 @@
-"""The node's HTTP endpoint as a WSGI application (mount it in any WSGI server; ``qtp serve`` uses waitress).
+"""The node's HTTP endpoint as a WSGI application (mount it in any WSGI server; ``qtp serve`` uses cheroot).
 
 HTTP rules (SOAP 1.1 and 1.2 HTTP bindings, WS-RM 1.1 section 3):
 
@@ -8,15 +8,23 @@ HTTP rules (SOAP 1.1 and 1.2 HTTP bindings, WS-RM 1.1 section 3):
   ``202`` with an empty body for a one-way message with nothing to return (acknowledgements then go to an
   addressable AcksTo), and a SOAP fault with ``500`` (SOAP 1.1; SOAP 1.2 Receiver) or ``400`` (SOAP 1.2
   Sender), or ``503`` when the node cannot take the message now (it stored nothing; the sender retries).
-- ``GET /metrics``: Prometheus metrics; ``GET /health``: ``ok`` once the node has started.
+- ``GET /metrics``: Prometheus metrics (with ``[node] metrics_token``, only for ``Authorization: Bearer
+  TOKEN``); ``GET /health``: ``ok`` once the node has started. Exactly these paths; SOAP is taken at the
+  endpoint's own path only (404 elsewhere).
+- ``401`` for a request whose signature or client certificate does not hold, or that proves nothing when
+  the node takes no anonymous requests (see ``qtp.wsrm.runtime._security``). The caller's identity goes
+  with the envelope to the receiver, which checks it against the sequence's owner.
 
-Input that is not a usable envelope is answered with a fault and never reaches the store.
+Input that is not a usable envelope is answered with a fault and never reaches the store. Faults say
+what went wrong, never how: SQL, parameters and stack traces stay in the node's log.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterable
+from urllib.parse import urlsplit
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -33,6 +41,14 @@ from qtp.wsrm.codec import (
     decode_batch,
 )
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION
+from qtp.wsrm.runtime._security import (
+    HEADER,
+    WSGI_HEADER,
+    AuthenticationError,
+    certificate_peer,
+    sign_response,
+    verify_request,
+)
 from qtp.wsrm.runtime._transport import content_type, soap_version_of, wire
 
 if TYPE_CHECKING:
@@ -40,7 +56,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qtp.wsrm.endpoint")
 
-_REASONS = {200: "200 OK", 202: "202 Accepted", 400: "400 Bad Request", 405: "405 Method Not Allowed",
+_REASONS = {200: "200 OK", 202: "202 Accepted", 400: "400 Bad Request", 401: "401 Unauthorized",
+            403: "403 Forbidden", 404: "404 Not Found", 405: "405 Method Not Allowed",
             411: "411 Length Required", 413: "413 Content Too Large", 415: "415 Unsupported Media Type",
             500: "500 Internal Server Error", 503: "503 Service Unavailable"}
 
@@ -55,21 +72,41 @@ def _plain(start_response: StartResponse, status: int, text: str,
     return [body]
 
 
+class _Request:
+    """What the endpoint learnt of one request: who sent it (a peer's name, None: anonymous) and how to
+    sign the answer."""
+
+    __slots__ = ("caller", "signature", "secret")
+
+    def __init__(self, caller: str | None, signature: str | None = None, secret: bytes | None = None):
+        self.caller, self.signature, self.secret = caller, signature, secret
+
+
 class Endpoint:
     """``Endpoint(node)`` is the WSGI application of ``node``."""
 
     def __init__(self, node: "Node"):
         self.node = node
+        self.security = node.settings.security
+        self.path = (urlsplit(node.endpoint).path if node.endpoint else "") or "/"
+        self.anonymous = self.security.anonymous_allowed(node.settings.listen_host())
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         method = environ.get("REQUEST_METHOD", "GET")
-        path = environ.get("PATH_INFO", "")
-        if method == "GET" and path.rstrip("/").endswith("/metrics"):
+        path = environ.get("PATH_INFO", "") or "/"
+        if path == "/metrics" and method == "GET":
+            token = self.security.metrics_token
+            given = environ.get("HTTP_AUTHORIZATION", "")
+            if token is not None and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return _plain(start_response, 401, "metrics need Authorization: Bearer TOKEN",
+                              [("WWW-Authenticate", 'Bearer realm="qtp"')])
             body, media = self.node.metrics.exposition()
             start_response("200 OK", [("Content-Type", media), ("Content-Length", str(len(body)))])
             return [body]
-        if method == "GET" and path.rstrip("/").endswith("/health"):
+        if path == "/health" and method == "GET":
             return _plain(start_response, 200 if self.node.started else 503, "ok" if self.node.started else "starting")
+        if path.rstrip("/") != self.path.rstrip("/"):
+            return _plain(start_response, 404, f"SOAP messages go to {self.path}; GET /health, GET /metrics")
         if method != "POST":
             return _plain(start_response, 405, "POST SOAP messages here", [("Allow", "POST")])
         length = environ.get("CONTENT_LENGTH") or ""
@@ -79,16 +116,46 @@ class Endpoint:
         if int(length) > limit:
             return _plain(start_response, 413, f"the request is over this node's limit of {limit} bytes",
                           [("Connection", "close")])
+        data = environ["wsgi.input"].read(int(length))
+        try:
+            request = self._authenticate(environ, path, data)
+        except AuthenticationError as exc:
+            log.warning("refused a request from %s: %s", environ.get("REMOTE_ADDR", "?"), exc)
+            self.node.metrics.refused.labels(reason="unauthenticated").inc()
+            return _plain(start_response, 401, "not authenticated: sign requests as [peers] says, or present a "
+                          "client certificate this node knows", [("WWW-Authenticate", 'QtpHmac realm="qtp"')])
         media = (environ.get("CONTENT_TYPE") or "").split(";", 1)[0].strip().lower()
         if media == BATCH_CONTENT_TYPE:
-            return self._batch(environ["wsgi.input"].read(int(length)), start_response)
+            return self._signed(request, self._batch(data, request), start_response)
         soap = soap_version_of(environ.get("CONTENT_TYPE"))
         if soap is None:
             return _plain(start_response, 415, "expected text/xml (SOAP 1.1) or application/soap+xml (SOAP 1.2)")
-        data = environ["wsgi.input"].read(int(length))
-        return self._soap(soap, data, start_response)
+        return self._signed(request, self._soap(soap, data, request), start_response)
 
-    def _batch(self, data: bytes, start_response: StartResponse) -> list[bytes]:
+    def _authenticate(self, environ: dict[str, Any], path: str, data: bytes) -> _Request:
+        header = environ.get(WSGI_HEADER)
+        if header:
+            peer = verify_request(self.security, header, "POST", path, data)
+            return _Request(peer.name, header, peer.secret)
+        peer = certificate_peer(self.security, environ)
+        if peer is not None:
+            return _Request(peer.name)
+        if environ.get("SSL_CLIENT_VERIFY") == "SUCCESS":
+            raise AuthenticationError("the client certificate names no peer of this node")
+        if not self.anonymous:
+            raise AuthenticationError("the request is not signed and this node takes no anonymous requests")
+        return _Request(None)
+
+    def _signed(self, request: _Request, answer: tuple[int, list[tuple[str, str]], bytes],
+                start_response: StartResponse) -> list[bytes]:
+        status, headers, body = answer
+        if request.signature is not None and request.secret is not None:
+            headers.append((HEADER, sign_response(request.secret, self.node.manager.node_id, request.signature,
+                                                  status, body)))
+        start_response(_REASONS[status], headers)
+        return [body]
+
+    def _batch(self, data: bytes, request: _Request) -> tuple[int, list[tuple[str, str]], bytes]:
         """qtp's batching extension: several standard envelopes in one request (see qtp.wsrm.codec._batch)."""
         limits = self.node.limits
         try:
@@ -96,38 +163,38 @@ class Endpoint:
                          for part in decode_batch(data, limits.max_batch)]
         except InvalidMessage as exc:
             log.info("refused a batch: %s", exc)
-            return self._respond(start_response, _bare_fault(SoapVersion.SOAP12, "Sender", str(exc)), 400)
-        return self._answer(envelopes[0], lambda: self.node.receiver.handle_batch(envelopes), start_response)
+            return self._respond(_bare_fault(SoapVersion.SOAP12, "Sender", str(exc)), 400)
+        return self._answer(envelopes[0], lambda: self.node.receiver.handle_batch(envelopes, request.caller))
 
-    def _soap(self, soap: SoapVersion, data: bytes, start_response: StartResponse) -> list[bytes]:
+    def _soap(self, soap: SoapVersion, data: bytes, request: _Request) -> tuple[int, list[tuple[str, str]], bytes]:
         try:
             envelope = decode(data, max_bytes=self.node.limits.max_request_bytes)
         except InvalidMessage as exc:
             log.info("refused a request: %s", exc)
-            return self._respond(start_response, _bare_fault(soap, "Sender", str(exc)),
-                                 400 if soap is SoapVersion.SOAP12 else 500)
-        return self._answer(envelope, lambda: self.node.receiver.handle(envelope), start_response)
+            return self._respond(_bare_fault(soap, "Sender", str(exc)), 400 if soap is SoapVersion.SOAP12 else 500)
+        return self._answer(envelope, lambda: self.node.receiver.handle(envelope, request.caller))
 
-    def _answer(self, envelope: Envelope, handle: Callable[[], Any], start_response: StartResponse) -> list[bytes]:
+    def _answer(self, envelope: Envelope, handle: Callable[[], Any]) -> tuple[int, list[tuple[str, str]], bytes]:
         if not self.node.started:
-            return self._respond(start_response, _bare_fault(envelope.soap, "Receiver", "the node is starting"), 503)
+            return self._respond(_bare_fault(envelope.soap, "Receiver", "the node is starting"), 503)
         try:
             answer = handle()
         except (QtpError, SQLAlchemyError) as exc:  # the store is unreachable: nothing acknowledged
             log.warning("could not take a message now: %s", exc)
-            fault = _bare_fault(envelope.soap, "Receiver", f"the node cannot take messages now: {exc}")
-            return self._respond(start_response, fault, 503)
+            return self._respond(_bare_fault(envelope.soap, "Receiver", "the node cannot take messages now; "
+                                             "retry later"), 503)
+        except Exception:  # a bug: the peer learns that it happened, the log learns what
+            log.exception("a request failed")
+            return self._respond(_bare_fault(envelope.soap, "Receiver", "internal error; retry later"), 500)
         if answer.envelope is None:
-            start_response("202 Accepted", [("Content-Length", "0")])
-            return [b""]
-        return self._respond(start_response, answer.envelope, answer.status)
+            return 202, [("Content-Length", "0")], b""
+        return self._respond(answer.envelope, answer.status)
 
     @staticmethod
-    def _respond(start_response: StartResponse, envelope: Envelope, status: int) -> list[bytes]:
+    def _respond(envelope: Envelope, status: int) -> tuple[int, list[tuple[str, str]], bytes]:
         body = wire(envelope)
-        start_response(_REASONS[status], [("Content-Type", content_type(envelope.soap, envelope.addressing.action)),
-                                          ("Content-Length", str(len(body)))])
-        return [body]
+        return status, [("Content-Type", content_type(envelope.soap, envelope.addressing.action)),
+                        ("Content-Length", str(len(body)))], body
 
 
 def _bare_fault(soap: SoapVersion, code: str, reason: str) -> Envelope:

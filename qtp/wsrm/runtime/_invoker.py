@@ -35,7 +35,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from qtp.coordinator.failpoints import failpoint
-from qtp.errors import OutcomeUnknownError
+from sqlalchemy.exc import SQLAlchemyError
+
+from qtp.errors import OutcomeUnknownError, QtpError
 from qtp.wsrm.codec import WsaVersion, check_payload
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION
 from qtp.wsrm.protocol import (
@@ -194,6 +196,12 @@ class Invoker:
         with self._mutex:
             machine = self._machines.get(identifier)
             return machine is not None and bool(ranges.difference(machine.record.stored, machine.record.delivered))
+
+    def backlog_of(self, identifiers: set[str]) -> int:
+        """Messages of these sequences stored and not yet applied."""
+        with self._mutex:
+            return sum(ranges.count(ranges.difference(m.record.stored, m.record.delivered))
+                       for i, m in self._machines.items() if i in identifiers)
 
     def backlog(self) -> int:
         with self._mutex:
@@ -471,19 +479,37 @@ class Invoker:
             return self.store.summary(s).dead_letters >= self.node.limits.max_dead_letters
 
     def _dead_letter(self, message: Incoming, error: str, now: float) -> None:
+        """The message leaves its sequence for the dead letters (with the whole error); for request-reply the
+        client gets a fault that says only that (the error, often SQL with its parameters, stays here). A
+        fault that cannot be enqueued (the offered sequence is gone, its identifier does not fit) does not
+        keep the message from becoming a dead letter."""
         record = self._delivered_record(message.identifier, [message.number])
-        fault = None if message.fault is not None else self._reply(message, None, fault=error[:1000])
-        with self.store.local() as s:
-            self.store.dead_letter(s, message, error, now)
-            self.store.save_invoker(s, record)
-            if fault is not None:
-                self.store.enqueue(s, fault)
+        reason = (f"message {message.message_id[:200]} was not processed: it failed {message.attempts} time(s) "
+                  "and is kept with the receiving node's dead letters")
+        fault = None if message.fault is not None else self._reply(message, None, fault=reason)
+        try:
+            self._write_dead_letter(message, error, now, record, fault)
+        except (QtpError, SQLAlchemyError) as exc:
+            if fault is None:
+                raise
+            log.error("the fault for dead letter %s could not be enqueued (%s); it is kept without one",
+                      message.message_id, exc)
+            fault = None
+            self._write_dead_letter(message, error, now, record, None)
         log.error("message %s (%s #%d) is a dead letter after %d attempts: %s", message.message_id,
                   message.identifier, message.number, self.node.limits.max_attempts, error)
         self.node.metrics.dead_lettered.inc()
         if fault is not None:
             self.node.sender.wake.set()
         self._committed(message.identifier, message.number)
+
+    def _write_dead_letter(self, message: Incoming, error: str, now: float, record: Any,
+                           fault: Outgoing | None) -> None:
+        with self.store.local() as s:
+            self.store.dead_letter(s, message, error, now)
+            self.store.save_invoker(s, record)
+            if fault is not None:
+                self.store.enqueue(s, fault)
 
     def _finish_without_handler(self, message: Incoming) -> None:
         """WS-RM 1.0's empty LastMessage: consumed, never shown to a handler."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -45,6 +45,16 @@ class _Channels(Collector):
             yield family
 
 
+class _Bound:
+    """A labelled counter with the node's label filled in: ``refused.labels(reason=...).inc()``."""
+
+    def __init__(self, counter: Counter, node_id: str):
+        self._counter, self._node = counter, node_id
+
+    def labels(self, **labels: str) -> Any:
+        return self._counter.labels(node=self._node, **labels)
+
+
 class Metrics:
     def __init__(self, node_id: str, open_sequences: Callable[[], float], backlog: Callable[[], float],
                  channel_stats: Callable[[], dict[str, dict[str, float]]] | None = None):
@@ -80,6 +90,10 @@ class Metrics:
                                         labelnames=["node", "channel"], registry=self.registry)
         self._requests = Histogram("qtp_channel_request_messages", "Application messages per request sent",
                                    labelnames=["node", "channel"], buckets=BATCH_BUCKETS, registry=self.registry)
+        refused = Counter("qtp_requests_refused", "Requests or parts refused: reason = unauthenticated, not_owner "
+                          "(another peer's sequence), create (CreateSequence refused), unknown_action, gap, "
+                          "peer_backlog", labelnames=["node", "reason"], registry=self.registry)
+        self.refused = _Bound(refused, node_id)
         if channel_stats is not None:
             self.registry.register(_Channels(node_id, channel_stats))
 

@@ -20,6 +20,7 @@ rebuilt from the stores, and only then do the workers and the HTTP server start.
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 import uuid
@@ -66,7 +67,9 @@ class Node:
         self._stores: dict[Any, Store] = {}
         self.inbound_mode = settings.mode
         self.inbound_store = self.store_for(settings.store, settings.mode)
-        self.transport = Transport(self.limits.http_timeout, pool=self.limits.sender_threads + 4)
+        self.transport = Transport(self.limits.http_timeout, pool=self.limits.sender_threads + 4,
+                                   name=manager.node_id, security=settings.security,
+                                   max_response_bytes=self.limits.max_response_bytes)
         self.handlers: dict[str, Handler] = {}
         self.reply_handlers: dict[str, Handler] = {}
         self.receiver = Receiver(self)
@@ -283,14 +286,28 @@ class Node:
             self.sender.wake.wait(wait)
 
     def _serve_http(self) -> None:
-        from waitress.server import create_server
-
+        """The endpoint in cheroot (CherryPy's WSGI server): threaded, no fork, TLS (and client certificates)
+        from the standard library's ``ssl``, idle keep-alive connections parked in a selector instead of
+        holding a worker thread. Waitress was used before; it has no TLS."""
         assert self.endpoint is not None
         host, port = self.settings.listen or _listen_address(self.endpoint)
-        self._server = create_server(self.wsgi, host=host, port=port, threads=self.limits.http_threads,
-                                     max_request_body_size=self.limits.max_request_bytes + 1,
-                                     channel_timeout=60, clear_untrusted_proxy_headers=True, ident="qtp")
-        self._spawn(self._server.run, "qtp-http")
+        security = self.settings.security
+        limits = self.limits
+        server = _Server((host, port), self.wsgi, numthreads=limits.http_threads, server_name="qtp",
+                             timeout=int(max(1, limits.http_idle_timeout)), request_queue_size=128,
+                             accepted_queue_timeout=limits.http_idle_timeout, shutdown_timeout=2)
+        server.max_request_body_size = limits.max_request_bytes + 1
+        if security.tls_cert:
+            server.ssl_adapter = _tls_adapter(security)
+        if not security.anonymous_allowed(self.settings.listen_host()):
+            log.info("node %s takes authenticated requests only (%d peer(s) known)", self.manager.node_id,
+                     len(security.peers))
+        elif security.allow_anonymous:
+            log.warning("node %s takes anonymous requests ([node] allow_anonymous = true): any client that "
+                        "reaches %s:%d can create sequences and send messages", self.manager.node_id, host, port)
+        server.prepare()
+        self._server = server
+        self._spawn(server.serve, "qtp-http")
 
     def send_acks_to(self, info: DestinationInfo, request: Envelope, acks: list[SequenceAcknowledgement]) -> None:
         """Acknowledgements for a sequence whose AcksTo is addressable: POST them there."""
@@ -314,7 +331,7 @@ class Node:
         self._stopping.set()
         self.sender.wake.set()
         if self._server is not None:
-            self._server.close()
+            self._server.stop()
         self.invoker.stop()
         self.sender.close()
         for thread in self._threads:
@@ -335,6 +352,42 @@ def attach_from_config(manager: Any, config: Any) -> None:
     or an endpoint); registered with the coordinator by ``qtp.wsrm.runtime``."""
     if config.messaging["channels"] or config.messaging["node"].get("endpoint"):
         Node(manager, node_settings(config.messaging, set(config.resources))).start()
+
+
+def _server_class() -> Any:
+    from cheroot import wsgi
+
+    class Server(wsgi.Server):
+        """cheroot hands a new connection to a worker thread at once, which then waits for its first request
+        (up to the idle timeout): a few hundred silent sockets would hold every worker. Here a new connection
+        first waits in the selector, like an idle keep-alive one, and reaches a worker when bytes arrive."""
+
+        def process_conn(self, conn: Any) -> None:
+            if not getattr(conn, "_qtp_waited", False):
+                conn._qtp_waited = True
+                self._connections.put(conn)
+                return
+            super().process_conn(conn)
+
+    return Server
+
+
+def _Server(*args: Any, **kwargs: Any) -> Any:
+    return _server_class()(*args, **kwargs)
+
+
+def _tls_adapter(security: Any) -> Any:
+    from cheroot.ssl.builtin import BuiltinSSLAdapter
+
+    adapter = BuiltinSSLAdapter(security.tls_cert, security.tls_key)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(security.tls_cert, security.tls_key)
+    if security.tls_client_ca:
+        context.load_verify_locations(security.tls_client_ca)
+        context.verify_mode = ssl.CERT_OPTIONAL  # a peer may also authenticate by signature
+    adapter.context = context
+    return adapter
 
 
 def _listen_address(endpoint: str) -> tuple[str, int]:

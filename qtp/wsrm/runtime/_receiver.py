@@ -139,7 +139,9 @@ class Receiver:
         """Our RM Source is about to offer ``identifier``: be its destination before the peer can use it."""
         record = DestinationRecord(identifier, settings.wsrm, state=D.ACTIVE, last_activity=time.time(),
                                    inactivity_timeout=self.node.limits.inactivity_timeout)
-        info = DestinationInfo(channel=channel, soap=settings.soap.value, wsa=settings.wsa.value)
+        peer = self.node.settings.security.peer_for_url(settings.peer)
+        info = DestinationInfo(channel=channel, soap=settings.soap.value, wsa=settings.wsa.value,
+                               owner=None if peer is None else peer.name)
         with self.store.local() as s:
             self.store.save_destination(s, info, record)
         self._adopt(info, record)
@@ -149,42 +151,110 @@ class Receiver:
 
     # ------------------------------------------------------------------ requests
 
-    def handle(self, env: Envelope) -> Answer:
+    def handle(self, env: Envelope, caller: str | None = None) -> Answer:
+        """One request from ``caller`` (the authenticated peer's name; None: anonymous)."""
         now = time.time()
         if env.acks:
-            self.node.sender.on_acks(env.acks)
+            foreign = self._take_acks(env.acks, caller)
+            if foreign and env.body is None and env.sequence is None and not env.ack_requests:
+                return self._refuse(env, caller, foreign)
         body = env.body
         if isinstance(body, CreateSequence):
-            return self._create(env, body, now)
+            return self._create(env, body, now, caller)
         if env.sequence is not None:
-            return self._message(env, now)
+            if self._foreign(env.sequence.identifier, caller):
+                return self._refuse(env, caller, env.sequence.identifier)
+            return self._message(env, now, caller)
+        if isinstance(body, (CloseSequence, TerminateSequence)) and self._foreign(body.identifier, caller):
+            return self._refuse(env, caller, body.identifier)
         if isinstance(body, CloseSequence):
             return self._event(env, body.identifier, CloseReceived(now, body.last_msg_number))
         if isinstance(body, TerminateSequence):
             return self._event(env, body.identifier, TerminateReceived(now, body.last_msg_number))
         if isinstance(body, SequenceFault):
-            return self._fault_received(env, body, now)
+            return self._fault_received(env, body, now, caller)
         if isinstance(body, SoapFault):
             log.info("a peer sent a fault: %s", body.reason)
             return Answer(None, 202)
         if env.ack_requests:
-            acks = [self._event(env, r.identifier, AckRequestedReceived(now)) for r in env.ack_requests]
+            mine = [r for r in env.ack_requests if not self._foreign(r.identifier, caller)]
+            if not mine:
+                return self._refuse(env, caller, env.ack_requests[0].identifier)
+            acks = [self._event(env, r.identifier, AckRequestedReceived(now)) for r in mine]
             return acks[0]
-        if env.acks or isinstance(body, (CreateSequenceResponse, CloseSequenceResponse, TerminateSequenceResponse)):
-            if body is not None:
-                self.node.sender.on_answer(env)
+        if isinstance(body, (CreateSequenceResponse, CloseSequenceResponse, TerminateSequenceResponse)):
+            if not self.node.sender.accepts_from(body.identifier, caller):
+                return self._refuse(env, caller, body.identifier)
+            self.node.sender.on_answer(env)
+            return Answer(None, 202)
+        if env.acks:
             return Answer(None, 202)
         return self.fault(env, SoapFault("Sender", None, "the message is neither WS-RM nor part of a sequence"), 400)
 
-    def _create(self, env: Envelope, body: CreateSequence, now: float) -> Answer:
+    # ------------------------------------------------------------------ who may do what
+
+    def _foreign(self, identifier: str, caller: str | None) -> bool:
+        """``identifier`` is one of our inbound sequences and ``caller`` is not the peer that owns it."""
+        info = self._infos.get(identifier)
+        return info is not None and info.owner != caller
+
+    def _take_acks(self, acks: tuple[SequenceAcknowledgement, ...], caller: str | None) -> str | None:
+        """Pass on the acknowledgements ``caller`` may give (for outbound sequences it is the peer of, when
+        they are acknowledged by request at all); the identifier of the first refused one, if any."""
+        mine = tuple(a for a in acks if self.node.sender.accepts_from(a.identifier, caller))
+        if mine:
+            self.node.sender.on_acks(mine)
+        refused = [a.identifier for a in acks if a not in mine]
+        for identifier in refused:
+            self._note_refused(caller, identifier, "acknowledgement")
+        return refused[0] if refused else None
+
+    def _note_refused(self, caller: str | None, identifier: str, what: str) -> None:
+        log.warning("refused a %s for sequence %s from %s: it is not that sequence's peer", what, identifier,
+                    f"peer {caller}" if caller else "an anonymous peer")
+        self.node.metrics.refused.labels(reason="not_owner").inc()
+
+    def _refuse(self, env: Envelope, caller: str | None, identifier: str) -> Answer:
+        self._note_refused(caller, identifier, type(env.body).__name__ if env.body is not None else "request")
+        return self.fault(env, SoapFault("Sender", None, "this sequence belongs to another peer"), 403)
+
+    def _may_name(self, caller: str | None, address: str) -> bool:
+        security = self.node.settings.security
+        if caller is not None:
+            peer = security.peers.get(caller)
+            return peer is not None and peer.may_name(address)
+        return security.anonymous_may_name(address, self.node.settings.listen_host())
+
+    def _owned_open(self, caller: str | None) -> list[str]:
+        with self._mutex:
+            return [i for i, m in self._machines.items()
+                    if m.state in (D.ACTIVE, D.CLOSED) and self._infos[i].owner == caller and self._infos[i].channel is None]
+
+    def _refused_create(self, env: Envelope, reason: str, caller: str | None) -> Answer:
+        log.warning("refused a CreateSequence from %s: %s", f"peer {caller}" if caller else "an anonymous peer", reason)
+        self.node.metrics.refused.labels(reason="create").inc()
+        return self.fault(env, SequenceFault(FaultCode.CREATE_SEQUENCE_REFUSED, None, reason))
+
+    def _create(self, env: Envelope, body: CreateSequence, now: float, caller: str | None = None) -> Answer:
         message_id = env.addressing.message_id
         known = self._created_by.get(message_id) if message_id else None
-        if known is not None:  # a retransmitted CreateSequence: the same sequence again
+        if known is not None and not self._foreign(known, caller):  # a retransmitted CreateSequence
             return self._event(env, known, CreateSequenceReceived(now))
-        if self.open_sequences() >= self.node.limits.max_open_sequences:
-            fault = SequenceFault(FaultCode.CREATE_SEQUENCE_REFUSED, None,
-                                  f"this node has {self.node.limits.max_open_sequences} sequences open already")
-            return self.fault(env, fault)
+        limits = self.node.limits
+        if self.open_sequences() >= limits.max_open_sequences:
+            return self._refused_create(env, f"this node has {limits.max_open_sequences} sequences open already",
+                                        caller)
+        if len(self._owned_open(caller)) >= limits.max_sequences_per_peer:
+            return self._refused_create(env, f"this peer has {limits.max_sequences_per_peer} sequences open "
+                                        "here already ([limits] max_sequences_per_peer)", caller)
+        offer = body.offer
+        addresses = [("AcksTo", _address(body.acks_to)), ("ReplyTo", _address(env.addressing.reply_to)),
+                     ("Offer Endpoint", _address(offer.endpoint) if offer is not None else None)]
+        for what, address in addresses:
+            if address is not None and not self._may_name(caller, address):
+                return self._refused_create(env, f"{what} {address[:200]} is not an address of this peer", caller)
+        if offer is not None and self._offer_in_use(offer.identifier):
+            return self._refused_create(env, "the offered identifier is in use already", caller)
         identifier = f"urn:uuid:{uuid.uuid4()}"
         offer = body.offer
         reply_to = _address(env.addressing.reply_to)
@@ -195,20 +265,24 @@ class Receiver:
         machine = DestinationSequence(record)
         actions = machine.handle(CreateSequenceReceived(now, expires=None, accepted_offer=accepted))
         info = DestinationInfo(reply_to=offer_peer, soap=env.soap.value, wsa=(env.wsa or WsaVersion.WSA200508).value,
-                               acks_to=_address(body.acks_to), create_message_id=message_id)
+                               acks_to=_address(body.acks_to), create_message_id=message_id, owner=caller)
         offered = None
         with self.store.local() as s:
             self.store.save_destination(s, info, machine.record)
             if accepted is not None:
                 offered = self.node.sender.add_offer_route(s, self.store, accepted, offer_peer, machine.record.version,
-                                                           info.soap, info.wsa, body.batch)
+                                                           info.soap, info.wsa, body.batch, owner=caller)
         self._adopt(info, machine.record)
         if offered is not None:
-            self.node.sender.adopt_offer(offered, SourceInfo(f"offer:{accepted}", offer_peer, info.soap, info.wsa))
+            self.node.sender.adopt_offer(offered, SourceInfo(f"offer:{accepted}", offer_peer, info.soap, info.wsa,
+                                                             owner=caller))
         self.node.invoker.ensure(identifier)
         return self._answer(env, identifier, actions)
 
-    def handle_batch(self, envelopes: list[Envelope]) -> Answer:
+    def _offer_in_use(self, identifier: str) -> bool:
+        return identifier in self._locks or self.node.sender.knows(identifier)
+
+    def handle_batch(self, envelopes: list[Envelope], caller: str | None = None) -> Answer:
         """A qtp batch: each sequence's messages stored in one local commit, one answer with every
         acknowledgement (or the first fault)."""
         now = time.time()
@@ -216,10 +290,12 @@ class Receiver:
         for env in envelopes:
             if env.sequence is None or env.body is not None and not isinstance(env.body, SoapFault):
                 return self.fault(env, SoapFault("Sender", None, "a qtp batch carries sequence messages only"), 400)
+            if self._foreign(env.sequence.identifier, caller):
+                return self._refuse(env, caller, env.sequence.identifier)
             if env.acks:
-                self.node.sender.on_acks(env.acks)
+                self._take_acks(env.acks, caller)
             groups.setdefault(env.sequence.identifier, []).append(env)
-        answers = [self._messages(group, now) for group in groups.values()]
+        answers = [self._messages(group, now, caller) for group in groups.values()]
         failed = next((a for a in answers if a.status >= 300), None)
         if failed is not None:
             return failed
@@ -229,20 +305,23 @@ class Receiver:
             return Answer(None, 202)
         return Answer(replace(last.envelope, acks=acks), 200)
 
-    def _message(self, env: Envelope, now: float) -> Answer:
-        answer = self._messages([env], now)
+    def _message(self, env: Envelope, now: float, caller: str | None = None) -> Answer:
+        answer = self._messages([env], now, caller)
         if env.ack_requests and answer.envelope is None and answer.status < 300:
             assert env.sequence is not None
             return self._event(env, env.sequence.identifier, AckRequestedReceived(now))
         return answer
 
-    def _messages(self, envs: list[Envelope], now: float) -> Answer:
+    def _messages(self, envs: list[Envelope], now: float, caller: str | None = None) -> Answer:
         """Messages of one sequence, in the order they came: stored (with whatever else queued for the
         sequence meanwhile) in one local transaction, then answered with the acknowledgement after it."""
         identifier = envs[0].sequence.identifier  # type: ignore[union-attr]
         lock = self._locks.get(identifier)
         if lock is None:
             return self._answer(envs[0], identifier, [unknown_sequence(identifier)])
+        refusal = self._admit(envs, caller)
+        if refusal is not None:
+            return refusal
         arrival = _Arrival(envs)
         with self._mutex:
             self._arrivals.setdefault(identifier, []).append(arrival)
@@ -260,6 +339,42 @@ class Receiver:
             raise MessagingError(f"the messages of sequence {identifier} could not be stored now: "
                                  f"{arrival.failure}") from arrival.failure
         return arrival.answer
+
+    def _admit(self, envs: list[Envelope], caller: str | None) -> Answer | None:
+        """Refuse, before anything is stored, what no handler takes and what breaks the peer's quotas."""
+        identifier = envs[0].sequence.identifier  # type: ignore[union-attr]
+        info = self._infos.get(identifier)
+        machine = self._machines.get(identifier)
+        handlers = self.node.handlers  # none yet: the application is still registering them; messages wait
+        if handlers and info is not None and info.channel is None and machine is not None and \
+                machine.state is D.ACTIVE:  # (replies on an offered sequence go to the reply handler)
+            for env in envs:
+                action = env.addressing.action or ""
+                if not isinstance(env.body, SoapFault) and action not in handlers and \
+                        not (env.rm is RMVersion.WSRM10 and env.sequence.last_message and not env.payload):  # type: ignore[union-attr]
+                    self.node.metrics.refused.labels(reason="unknown_action").inc()
+                    log.warning("refused a message with action %r on %s: no handler takes it", action[:200],
+                                identifier)
+                    return self.fault(env, SoapFault("Sender", "wsa:ActionNotSupported",
+                                                     f"no handler for action {action[:200]}"))
+        if machine is not None:
+            limits = self.node.limits
+            in_order = _in_order(machine.record.received)
+            too_far = next((e for e in envs if e.sequence.number > in_order + limits.max_gap), None)  # type: ignore[union-attr]
+            if too_far is not None:
+                self.node.metrics.refused.labels(reason="gap").inc()
+                return self.fault(too_far, SoapFault("Sender", None, f"message number {too_far.sequence.number} is "  # type: ignore[union-attr]
+                                                     f"more than {limits.max_gap} above the last in order ({in_order})"))
+            fresh = sum(1 for e in envs if not _ranges_contain(machine.record.received, e.sequence.number))  # type: ignore[union-attr]
+            if fresh and self.node.invoker.backlog_of(set(self._owned_all(caller))) + fresh > limits.max_backlog_per_peer:
+                self.node.metrics.refused.labels(reason="peer_backlog").inc()
+                return self.fault(envs[0], SoapFault("Receiver", None, "this peer's backlog of unapplied messages "
+                                                     "is full; retry later"), 503)
+        return None
+
+    def _owned_all(self, caller: str | None) -> list[str]:
+        with self._mutex:
+            return [i for i, info in self._infos.items() if info.owner == caller]
 
     def _store_group(self, identifier: str, group: list["_Arrival"], now: float) -> None:
         """Take ``group`` (arrivals of one sequence, under its lock) through the machine, store what it
@@ -363,11 +478,15 @@ class Receiver:
                 self.node.invoker.completed(identifier, probe.record.received)
         return self._answer(env, identifier, actions)
 
-    def _fault_received(self, env: Envelope, fault: SequenceFault, now: float) -> Answer:
+    def _fault_received(self, env: Envelope, fault: SequenceFault, now: float, caller: str | None = None) -> Answer:
         if fault.identifier is not None and fault.identifier in self._locks:
+            if self._foreign(fault.identifier, caller):
+                return self._refuse(env, caller, fault.identifier)
             self._event(env, fault.identifier, FaultReceived(fault.code, now))
-        else:
+        elif fault.identifier is not None and self.node.sender.accepts_from(fault.identifier, caller):
             self.node.sender.on_answer(env)
+        else:
+            self._note_refused(caller, fault.identifier or "(none)", "SequenceFault")
         return Answer(None, 202)
 
     def _protocol_error(self, env: Envelope, identifier: str, exc: ProtocolError) -> Answer:
@@ -409,6 +528,8 @@ class Receiver:
             self.store.drop_destination(s, identifier)
             if machine is not None and info is not None:
                 self.store.save_destination(s, info, machine.record)
+        if machine is not None and machine.record.accepted_offer is not None:
+            self.node.sender.end_offer(machine.record.accepted_offer)
 
     def _forget(self, identifier: str) -> None:
         with self.store.local() as s:
@@ -503,6 +624,11 @@ def _anonymous(address: str) -> bool:
 
 def _address(address: str | None) -> str | None:
     return None if address is None or _anonymous(address) or address.endswith("/none") else address
+
+
+def _in_order(received: tuple[tuple[int, int], ...]) -> int:
+    """The highest number below which every number was received (0: not even 1)."""
+    return next((upper for lower, upper in received if lower == 1), 0)
 
 
 def _ranges_contain(received: tuple[tuple[int, int], ...], number: int) -> bool:

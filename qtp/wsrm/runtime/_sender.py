@@ -135,6 +135,7 @@ class Sender:
         self._pumps: dict[str, _Pump] = {}
         self._cache: dict[str, dict[int, Outgoing]] = {}  # numbered, unacknowledged messages per sequence
         self._rtt: dict[str, _RoundTrip] = {}
+        self._ending: set[str] = set()  # offered routes to end once their replies are numbered
         self.wake = threading.Event()
 
     # ------------------------------------------------------------------ start-up
@@ -164,7 +165,7 @@ class Sender:
             self._locks.setdefault(record.key, threading.Lock())
 
     def add_offer_route(self, s: Any, store: Store, identifier: str, peer: str, rm: RMVersion,
-                        soap: str, wsa: str, batch: int | None = None) -> SourceRecord:
+                        soap: str, wsa: str, batch: int | None = None, owner: str | None = None) -> SourceRecord:
         """We accepted a peer's Offer: an RM Source for our replies, saved in session ``s`` of ``store``;
         the caller calls ``adopt_offer`` after that session committed. ``batch``: the qtp peer takes
         batches of up to that many messages (its CreateSequence said so)."""
@@ -173,7 +174,7 @@ class Sender:
                               retransmit_interval=self.limits.retransmit_interval,
                               max_interval=self.limits.retransmit_interval_max,
                               peer_batch=min(batch, self.limits.max_batch) if batch else 1)
-        store.save_source(s, SourceInfo(route, peer, soap, wsa), record)
+        store.save_source(s, SourceInfo(route, peer, soap, wsa, owner=owner), record)
         return record
 
     def adopt_offer(self, record: SourceRecord, info: SourceInfo) -> None:
@@ -197,6 +198,11 @@ class Sender:
                     self._fill(route, now)
                 except (QtpError, SQLAlchemyError) as exc:
                     log.warning("route %s: cannot take new messages now: %s", route, exc)
+            if self._ending:
+                try:
+                    self._end_offers(now)
+                except (QtpError, SQLAlchemyError) as exc:
+                    log.warning("offered sequences not ended now: %s", exc)
         due: list[float] = []
         for key in list(self._machines):
             machine = self._machines.get(key)
@@ -622,6 +628,53 @@ class Sender:
         key = self.key_of(identifier)
         if key is not None:
             self.event(key, event)
+
+    def knows(self, identifier: str) -> bool:
+        """An outbound sequence (or an offered route) of ours has this identifier."""
+        return f"offer:{identifier}" in self._offer_routes or self.key_of(identifier) is not None
+
+    def accepts_from(self, identifier: str, caller: str | None) -> bool:
+        """May ``caller`` (a peer's name; None: anonymous) acknowledge, close or fault our outbound sequence
+        ``identifier`` *in a request*? Only the sequence's own peer may, and only when the sequence asked for
+        acknowledgements by request (an addressable AcksTo, or an offered sequence); acknowledgements of a
+        sequence with anonymous AcksTo come only on the responses to our own requests (``_exchange``)."""
+        key = self.key_of(identifier)
+        info = self._infos.get(key) if key is not None else None
+        if info is None:
+            return False
+        if info.route.startswith("offer:"):
+            return info.owner == caller
+        channel = self.node.channels.get(channel_name(info.route))
+        if channel is None or channel.acks_to != "endpoint":
+            return False
+        peer = self.node.settings.security.peer_for_url(channel.peer)
+        return caller == (None if peer is None else peer.name)
+
+    def end_offer(self, identifier: str) -> None:
+        """The inbound sequence that accepted offer ``identifier`` is over and applied: the offered sequence
+        ends too once its replies are sent and acknowledged (else it would live, and be polled, for ever)."""
+        route = f"offer:{identifier}"
+        if route in self._offer_routes:
+            with self._mutex:
+                self._ending.add(route)
+            self.wake.set()
+
+    def _end_offers(self, now: float) -> None:
+        with self._mutex:
+            ending = list(self._ending)
+        for route in ending:
+            key = self._current.get(route)
+            if key is None:
+                with self._mutex:
+                    self._ending.discard(route)
+                continue
+            store = self.node.store_for_route(route)
+            with store.local() as s:
+                if store.unnumbered(s, route, 1):
+                    continue  # replies still to number: the next tick
+            self.event(key, CompleteRequested(now))
+            with self._mutex:
+                self._ending.discard(route)
 
     def key_of(self, identifier: str) -> str | None:
         with self._mutex:

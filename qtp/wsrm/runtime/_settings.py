@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from qtp.errors import ConfigurationError
 from qtp.wsrm.codec import SoapVersion, WsaVersion
 from qtp.wsrm.protocol import MAX_MESSAGE_NUMBER, RMVersion
+from qtp.wsrm.runtime._security import Security, is_loopback, security_settings
 
 MODES = ("xa", "persistent", "memory")
 LANE_MARK = "#"  # a lane's route is NAME#i
@@ -58,6 +59,13 @@ class Limits:
     - ``invoker_batch``: consecutive messages of one sequence applied in one global transaction (all or
       none; a batch that fails is applied again one message per transaction).
     - ``sender_threads`` / ``invoker_threads`` / ``http_threads``: worker threads.
+    - Per peer (an authenticated peer, or all anonymous peers together), so that one peer cannot take
+      what the others need: ``max_sequences_per_peer`` inbound sequences open at once;
+      ``max_backlog_per_peer`` of its messages stored and not yet applied (beyond it: 503 before storing);
+      ``max_gap``: a message number more than this far above the highest number received in order is
+      refused before it is stored (a sender within its window never comes near it).
+    - ``max_response_bytes``: a peer's answer longer than this is not read (the request counts as failed).
+    - ``http_idle_timeout``: seconds an idle or slow HTTP connection is kept before it is closed.
     """
 
     max_request_bytes: int = 4 * 1024 * 1024
@@ -82,6 +90,11 @@ class Limits:
     sender_threads: int = 8
     invoker_threads: int = 4
     http_threads: int = 16
+    max_sequences_per_peer: int = 100
+    max_backlog_per_peer: int = 20_000
+    max_gap: int = 4096
+    max_response_bytes: int = 4 * 1024 * 1024
+    http_idle_timeout: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +132,12 @@ class NodeSettings:
     mode: str = "xa"
     channels: dict[str, ChannelSettings] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
+    security: Security = field(default_factory=Security)
+
+    def listen_host(self) -> str | None:
+        if self.listen is not None:
+            return self.listen[0]
+        return None if self.endpoint is None else (urlsplit(self.endpoint).hostname or "127.0.0.1")
 
 
 def _check_url(what: str, url: Any) -> str:
@@ -215,8 +234,9 @@ def node_settings(messaging: dict[str, Any], resources: set[str]) -> NodeSetting
     for name in [store, *(c.store for c in channels.values())]:
         if name is not None and name not in resources:
             raise ConfigurationError(f"store resource {name!r} is not defined; add a [resources.{name}] table")
+    security = security_settings(node, messaging.get("peers", {}), _check_url)
     settings = NodeSettings(endpoint=endpoint, listen=listen, store=store, mode=mode, channels=channels,
-                            limits=limits(messaging.get("limits", {})))
+                            limits=limits(messaging.get("limits", {})), security=security)
     check(settings)
     return settings
 
@@ -232,6 +252,15 @@ def check(settings: NodeSettings) -> None:
     if settings.store is None and settings.mode != "memory" and settings.endpoint is not None:
         raise ConfigurationError("[node] store = \"RESOURCE\" is needed to receive messages in mode "
                                  f"{settings.mode!r} (or set [node] mode = \"memory\")")
+    security = settings.security
+    if settings.endpoint is not None and settings.endpoint.startswith("https:") and not security.tls_cert:
+        raise ConfigurationError(f"[node] endpoint {settings.endpoint} is https: give [node] tls_cert and tls_key "
+                                 "(the server's certificate and private key, PEM files)")
+    if security.tls_cert and settings.endpoint is not None and settings.endpoint.startswith("http:"):
+        raise ConfigurationError("[node] tls_cert is set but the endpoint is http://; make it https://")
+    if security.tls_client_ca and not security.tls_cert:
+        raise ConfigurationError("[node] tls_client_ca asks peers for client certificates, which needs TLS: give "
+                                 "tls_cert and tls_key")
     for channel in settings.channels.values():
         if (channel.reply or channel.acks_to == "endpoint") and settings.endpoint is None:
             raise ConfigurationError(f"[channels.{channel.name}] reply = true and acks_to = \"endpoint\" need "

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 import tenacity
@@ -17,6 +19,7 @@ from requests.adapters import HTTPAdapter
 
 from qtp.errors import TransportError
 from qtp.wsrm.codec import Envelope, SoapVersion, encode
+from qtp.wsrm.runtime._security import HEADER, AuthenticationError, Peer, Security, sign_request, verify_response
 
 log = logging.getLogger("qtp.wsrm.transport")
 
@@ -64,11 +67,27 @@ class Reply:
 
 
 class Transport:
-    """One pooled ``requests.Session`` per node, with connect/read timeouts and brief transport retries."""
+    """One pooled ``requests.Session`` per node, with connect/read timeouts and brief transport retries.
 
-    def __init__(self, timeout: float = 10.0, pool: int = 32, attempts: int = 3, backoff_max: float = 1.0):
+    Requests to a peer with a secret are signed, and its answer is read only if it is signed by it (else
+    TransportError: the answer is not believed, and the protocol retransmits). Redirects are never followed
+    and an answer longer than ``max_response_bytes`` is not read. With ``[node] tls_ca`` the peers' server
+    certificates are verified against that bundle (the system's otherwise); with ``tls_cert`` / ``tls_key``
+    the node presents its own certificate to peers that ask for one.
+    """
+
+    def __init__(self, timeout: float = 10.0, pool: int = 32, attempts: int = 3, backoff_max: float = 1.0, *,
+                 name: str = "", security: Security | None = None, max_response_bytes: int = 4 * 1024 * 1024):
         self.timeout = (min(timeout, 5.0), timeout)
+        self.name = name
+        self.security = security or Security()
+        self.max_response_bytes = max_response_bytes
         self.session = requests.Session()
+        self.session.trust_env = False  # no proxy or netrc from the environment between two nodes
+        if self.security.tls_ca:
+            self.session.verify = self.security.tls_ca
+        if self.security.tls_cert and self.security.tls_key:
+            self.session.cert = (self.security.tls_cert, self.security.tls_key)
         adapter = HTTPAdapter(pool_connections=pool, pool_maxsize=pool, max_retries=0)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
@@ -90,11 +109,41 @@ class Transport:
         return self._post(url, body, {"Content-Type": media_type})
 
     def _post(self, url: str, body: bytes, headers: dict[str, str]) -> Reply:
+        peer = self.security.peer_for_url(url)
+        signed = peer is not None and peer.secret is not None
+        if signed:
+            assert peer is not None and peer.secret is not None
+            headers[HEADER] = sign_request(peer.secret, self.name, "POST", urlsplit(url).path, body)
         try:
-            response = self._retrying(self.session.post, url, data=body, headers=headers, timeout=self.timeout)
+            response = self._retrying(self._send, url, body, headers)
         except requests.RequestException as exc:
             raise TransportError(f"POST {url} failed: {type(exc).__name__}: {exc}") from exc
-        return Reply(response.status_code, response.headers.get("Content-Type", ""), response.content)
+        status, answer_headers, data = response
+        if signed and data.strip():
+            assert peer is not None
+            try:
+                verify_response(peer, answer_headers.get(HEADER, ""), headers[HEADER], status, data)
+            except AuthenticationError as exc:
+                raise TransportError(f"POST {url}: {exc} (HTTP {status}); the answer is ignored") from None
+        return Reply(status, answer_headers.get("Content-Type", ""), data)
+
+    def _send(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, Any, bytes]:
+        with self.session.post(url, data=body, headers=headers, timeout=self.timeout, allow_redirects=False,
+                               stream=True) as response:
+            if 300 <= response.status_code < 400:
+                raise requests.RequestException(f"the peer redirects (HTTP {response.status_code}); "
+                                                "qtp does not follow redirects: configure the final address")
+            declared = response.headers.get("Content-Length", "")
+            if declared.isdigit() and int(declared) > self.max_response_bytes:
+                raise requests.RequestException(f"the answer is {declared} bytes, over [limits] max_response_bytes "
+                                                f"({self.max_response_bytes}); not read")
+            data = bytearray()
+            for chunk in response.iter_content(64 * 1024):
+                data += chunk
+                if len(data) > self.max_response_bytes:
+                    raise requests.RequestException(f"the answer is over [limits] max_response_bytes "
+                                                    f"({self.max_response_bytes}); not read further")
+            return response.status_code, response.headers, bytes(data)
 
     def close(self) -> None:
         self.session.close()

@@ -1,13 +1,16 @@
 """``qtp serve`` (run a node) and ``qtp dead-letters list|retry|drop`` (``qtp status`` shows sequences too).
 
 ``qtp serve --config server.toml`` runs the node the file describes: transaction recovery, the stores, the
-sender, the invoker and the HTTP endpoint in waitress, until SIGTERM or Ctrl-C. The application's handlers
+sender, the invoker and the HTTP endpoint in cheroot, until SIGTERM or Ctrl-C. The application's handlers
 are registered by the module named with ``--app module:attribute`` (imported first; the attribute is the
 ``qtp.Node`` it built), e.g. ``qtp serve --app shop.server:node``.
 
-Why waitress: it is a production WSGI server in pure Python with a thread pool and no fork. A node must be
-one process (its decision log is locked by one transaction manager, and the runtime keeps its sequences'
-machines in memory), which rules out gunicorn's pre-fork workers; waitress serves a threaded process well.
+Why cheroot (CherryPy's WSGI server): a production WSGI server in pure Python with a thread pool, no fork,
+and TLS with client certificates from the standard library, kept by the CherryPy/jaraco maintainers. A node
+must be one process (its decision log is locked by one transaction manager, and the runtime keeps its
+sequences' machines in memory), which rules out gunicorn's pre-fork workers; waitress, used before, has no
+TLS, and its fixed connection limit let idle sockets lock out peers (cheroot parks idle keep-alive
+connections in a selector, closed after ``[limits] http_idle_timeout``).
 """
 
 from __future__ import annotations

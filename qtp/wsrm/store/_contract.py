@@ -115,6 +115,7 @@ class DestinationInfo:
     wsa: str = "2005/08"
     acks_to: str | None = None
     create_message_id: str | None = None  # the CreateSequence's MessageID: a retransmission gets this sequence
+    owner: str | None = None  # the peer that created the sequence (None: an anonymous one); only it may use it
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,7 @@ class SourceInfo:
     peer: str
     soap: str = "1.2"
     wsa: str = "2005/08"
+    owner: str | None = None  # an offered sequence's: the peer whose inbound sequence accepted the offer
 
 
 @dataclass(frozen=True, slots=True)

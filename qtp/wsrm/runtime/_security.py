@@ -1,0 +1,256 @@
+"""Who is talking: peers, how they prove it, and where this node agrees to send.
+
+A node knows its peers from ``[peers.NAME]`` tables, NAME being the peer's ``[node] id``::
+
+    [peers.shop-1]
+    endpoint = "https://shop.example:8443/rm"   # its address: our channels to it, its AcksTo / ReplyTo / Offer
+    secret_env = "QTP_SECRET_SHOP"              # or secret = "..." (at least 32 characters)
+    fingerprint = "sha256:AB:CD:..."            # optional: its TLS client certificate, pinned
+    allow_addresses = ["https://shop.example:8444/rm"]   # optional: more addresses it may name
+
+How a peer proves who it is (either is enough; both may be required by configuring both):
+
+- **An HMAC of the request** (``X-Qtp-Signature``): HMAC-SHA256, with the secret both nodes share, over
+  the sending node's id, a Unix timestamp, the method, the path and the body. It authenticates the body
+  (not just the caller), works over plain HTTP as well as TLS, costs one hash per request, and a captured
+  request can only be replayed unchanged within ``max_clock_skew`` seconds, which WS-RM absorbs: a replayed
+  message is a duplicate, a replayed acknowledgement was true. The response is signed the same way, bound to
+  the request's signature, so acknowledgements on a response are authenticated too. A bearer token was not
+  chosen: it is a password sent in every request, which authenticates nothing of the body it travels with.
+- **Mutual TLS**: ``[node] tls_client_ca`` makes the server ask for a client certificate; a certificate
+  signed by that CA whose SHA-256 fingerprint is pinned by ``[peers.NAME] fingerprint`` (or, without pins,
+  whose subject CN is NAME) identifies the peer.
+
+A request that proves nothing is *anonymous*. A node accepts anonymous requests only when ``[node]
+allow_anonymous = true``, or by default when it listens on loopback only (a development set-up); what an
+anonymous peer may do is still bounded (see docs/security.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import ipaddress
+import os
+import re
+import ssl
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from qtp.errors import ConfigurationError
+
+HEADER = "X-Qtp-Signature"
+WSGI_HEADER = "HTTP_X_QTP_SIGNATURE"
+MIN_SECRET = 32
+MAX_CLOCK_SKEW = 300.0
+ANONYMOUS = None  # the identity of a request that proved nothing
+_FIELD = re.compile(r'(\w+)="([^"]*)"')
+
+
+class AuthenticationError(Exception):
+    """A request (or a response) carries a signature that does not hold."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    endpoint: str | None = None
+    secret: bytes | None = None
+    fingerprint: str | None = None
+    allow_addresses: tuple[str, ...] = ()
+
+    def may_name(self, address: str) -> bool:
+        """Whether this peer may ask us to send to ``address`` (its endpoint or an allowed address)."""
+        return any(_same_url(address, allowed) for allowed in (self.endpoint, *self.allow_addresses) if allowed)
+
+
+@dataclass(frozen=True)
+class Security:
+    """The node's side: its TLS material, whether it takes anonymous requests, its peers."""
+
+    peers: dict[str, Peer] = field(default_factory=dict)
+    allow_anonymous: bool | None = None  # None: only when listening on loopback
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None     # asks for client certificates signed by this CA
+    tls_ca: str | None = None            # CA bundle to verify the peers' server certificates (None: system)
+    metrics_token: str | None = None     # required as "Authorization: Bearer ..." on /metrics when set
+    anonymous_addresses: tuple[str, ...] = ()  # where anonymous peers may ask us to send (loopback by default)
+    max_clock_skew: float = MAX_CLOCK_SKEW
+
+    def peer_for_url(self, url: str) -> Peer | None:
+        """The peer whose endpoint (or allowed address) ``url`` is."""
+        for peer in self.peers.values():
+            if peer.may_name(url):
+                return peer
+        return None
+
+    def anonymous_allowed(self, listen_host: str | None) -> bool:
+        if self.allow_anonymous is not None:
+            return self.allow_anonymous
+        return listen_host is None or is_loopback(listen_host)
+
+    def anonymous_may_name(self, address: str, listen_host: str | None) -> bool:
+        if self.anonymous_addresses:
+            return any(_same_url(address, a) or address.startswith(a.rstrip("*")) and a.endswith("*")
+                       for a in self.anonymous_addresses)
+        host = urlsplit(address).hostname
+        return host is not None and is_loopback(host) and (listen_host is None or is_loopback(listen_host))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _same_url(a: str, b: str) -> bool:
+    pa, pb = urlsplit(a), urlsplit(b)
+    port_a = pa.port or (443 if pa.scheme == "https" else 80)
+    port_b = pb.port or (443 if pb.scheme == "https" else 80)
+    return (pa.scheme, (pa.hostname or "").lower(), port_a, pa.path.rstrip("/")) == \
+        (pb.scheme, (pb.hostname or "").lower(), port_b, pb.path.rstrip("/"))
+
+
+# ---------------------------------------------------------------------------------------------- signatures
+
+def _mac(secret: bytes, *parts: bytes) -> str:
+    return base64.b64encode(hmac.new(secret, b"\n".join(parts), hashlib.sha256).digest()).decode()
+
+
+def sign_request(secret: bytes, sender: str, method: str, path: str, body: bytes, now: float | None = None) -> str:
+    ts = str(int(time.time() if now is None else now))
+    mac = _mac(secret, b"request", sender.encode(), ts.encode(), method.upper().encode(), (path or "/").encode(),
+               hashlib.sha256(body).digest())
+    return f'id="{sender}", ts="{ts}", sig="{mac}"'
+
+
+def sign_response(secret: bytes, sender: str, request_signature: str, status: int, body: bytes) -> str:
+    mac = _mac(secret, b"response", sender.encode(), request_signature.encode(), str(status).encode(),
+               hashlib.sha256(body).digest())
+    return f'id="{sender}", sig="{mac}"'
+
+
+def parse(header: str) -> dict[str, str]:
+    return dict(_FIELD.findall(header or ""))
+
+
+def verify_request(security: Security, header: str, method: str, path: str, body: bytes,
+                   now: float | None = None) -> Peer:
+    """The peer that signed this request; AuthenticationError when the signature does not hold."""
+    fields = parse(header)
+    sender, ts, sig = fields.get("id"), fields.get("ts", ""), fields.get("sig", "")
+    peer = security.peers.get(sender or "")
+    if peer is None or peer.secret is None:
+        raise AuthenticationError(f"unknown peer {sender!r}")
+    if not ts.isdigit() or abs((time.time() if now is None else now) - int(ts)) > security.max_clock_skew:
+        raise AuthenticationError(f"peer {sender}: timestamp outside the allowed clock skew")
+    expected = _mac(peer.secret, b"request", sender.encode(), ts.encode(), method.upper().encode(),  # type: ignore[union-attr]
+                    (path or "/").encode(), hashlib.sha256(body).digest())
+    if not hmac.compare_digest(expected, sig):
+        raise AuthenticationError(f"peer {sender}: signature does not match")
+    return peer
+
+
+def verify_response(peer: Peer, header: str, request_signature: str, status: int, body: bytes) -> None:
+    fields = parse(header)
+    assert peer.secret is not None
+    expected = _mac(peer.secret, b"response", (fields.get("id") or "").encode(), request_signature.encode(),
+                    str(status).encode(), hashlib.sha256(body).digest())
+    if fields.get("id") != peer.name or not hmac.compare_digest(expected, fields.get("sig", "")):
+        raise AuthenticationError(f"the answer of {peer.name} is not signed by it")
+
+
+def certificate_peer(security: Security, environ: dict[str, Any]) -> Peer | None:
+    """The peer a verified TLS client certificate names (pinned fingerprint, else subject CN)."""
+    if environ.get("SSL_CLIENT_VERIFY") != "SUCCESS" or not environ.get("SSL_CLIENT_CERT"):
+        return None
+    der = ssl.PEM_cert_to_DER_cert(environ["SSL_CLIENT_CERT"])
+    fingerprint = fingerprint_of(der)
+    pinned = [p for p in security.peers.values() if p.fingerprint]
+    for peer in pinned:
+        if peer.fingerprint == fingerprint:
+            return peer
+    if pinned:
+        return None
+    common_name = environ.get("SSL_CLIENT_S_DN_CN")
+    return security.peers.get(common_name or "")
+
+
+def fingerprint_of(der: bytes) -> str:
+    digest = hashlib.sha256(der).hexdigest().upper()
+    return "sha256:" + ":".join(digest[i:i + 2] for i in range(0, len(digest), 2))
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+_PEER_KEYS = {"endpoint", "secret", "secret_env", "fingerprint", "allow_addresses"}
+_NODE_KEYS = {"allow_anonymous", "tls_cert", "tls_key", "tls_client_ca", "tls_ca", "metrics_token",
+              "anonymous_addresses"}
+
+
+def security_settings(node: dict[str, Any], peers: dict[str, Any], check_url: Any) -> Security:
+    """``[peers.NAME]`` tables and the security keys of ``[node]``, checked."""
+    parsed: dict[str, Peer] = {}
+    for name, table in (peers or {}).items():
+        where = f"[peers.{name}]"
+        if not isinstance(table, dict) or set(table) - _PEER_KEYS:
+            raise ConfigurationError(f"{where} takes {', '.join(sorted(_PEER_KEYS))}; got {sorted(table)}")
+        secret = table.get("secret")
+        if "secret_env" in table:
+            if secret is not None:
+                raise ConfigurationError(f"{where}: give secret or secret_env, not both")
+            secret = os.environ.get(str(table["secret_env"]))
+            if secret is None:
+                raise ConfigurationError(f"{where}: the environment variable {table['secret_env']} is not set")
+        if secret is not None and (not isinstance(secret, str) or len(secret) < MIN_SECRET):
+            raise ConfigurationError(f"{where}: the secret must be a string of at least {MIN_SECRET} characters "
+                                     "(for example `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+        fingerprint = table.get("fingerprint")
+        if fingerprint is not None:
+            fingerprint = str(fingerprint).upper().replace("SHA256:", "sha256:")
+            if not re.fullmatch(r"sha256:([0-9A-F]{2}:){31}[0-9A-F]{2}", fingerprint):
+                raise ConfigurationError(f"{where}: fingerprint must look like sha256:AB:CD:... (32 bytes), as "
+                                         "`openssl x509 -noout -fingerprint -sha256` prints it")
+        if secret is None and fingerprint is None and not node.get("tls_client_ca"):
+            raise ConfigurationError(f"{where}: say how the peer authenticates: secret (or secret_env), or a TLS "
+                                     "client certificate (fingerprint, or [node] tls_client_ca)")
+        endpoint = table.get("endpoint")
+        if endpoint is not None:
+            check_url(f"{where} endpoint", endpoint)
+        allow = table.get("allow_addresses", [])
+        if not isinstance(allow, list):
+            raise ConfigurationError(f"{where} allow_addresses must be a list of URLs")
+        for url in allow:
+            check_url(f"{where} allow_addresses", url)
+        parsed[name] = Peer(name=name, endpoint=endpoint, secret=secret.encode() if secret else None,
+                            fingerprint=fingerprint, allow_addresses=tuple(allow))
+    allow_anonymous = node.get("allow_anonymous")
+    if allow_anonymous is not None and not isinstance(allow_anonymous, bool):
+        raise ConfigurationError("[node] allow_anonymous must be true or false")
+    files = {}
+    for key in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca"):
+        value = node.get(key)
+        if value is not None and not os.path.isfile(str(value)):
+            raise ConfigurationError(f"[node] {key}: file {value!r} not found")
+        files[key] = None if value is None else str(value)
+    if bool(files["tls_cert"]) != bool(files["tls_key"]):
+        raise ConfigurationError("[node] tls_cert and tls_key go together (the server's certificate and key)")
+    addresses = node.get("anonymous_addresses", [])
+    if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+        raise ConfigurationError("[node] anonymous_addresses must be a list of URLs (a trailing * matches a prefix)")
+    token = node.get("metrics_token")
+    if token is not None and (not isinstance(token, str) or len(token) < 16):
+        raise ConfigurationError("[node] metrics_token must be a string of at least 16 characters")
+    return Security(peers=parsed, allow_anonymous=allow_anonymous, metrics_token=token,
+                    anonymous_addresses=tuple(addresses), **files)
+
+
+def node_keys() -> set[str]:
+    return set(_NODE_KEYS)

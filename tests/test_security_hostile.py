@@ -1,0 +1,472 @@
+"""A hostile client against real node processes (issue 21): each attack is refused, and the honest peer
+that keeps sending through it loses nothing (its orders are reconciled exactly once at the end).
+
+The honest pair authenticates with a shared secret and takes no anonymous requests. The attacker is this
+test process, either anonymous or as ``mallory``: a peer the server (and the client) know and authenticate,
+with its own secret, which must still not touch the honest peer's sequences nor make a node send elsewhere.
+What each attack did before the fix is in the module's git history and in docs/security.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+
+from qtp.errors import ConfigurationError, TransportError
+from qtp.testing.nodes import NodeProcess, Pair, check_exactly_once, client_schema, rows, server_schema, wait_until
+from qtp.wsrm.codec import (
+    Addressing,
+    Envelope,
+    SoapFault,
+    SoapVersion,
+    WsaVersion,
+    anonymous,
+    decode,
+    default_action,
+    encode,
+)
+from qtp.wsrm.protocol import (
+    AckRequested,
+    CreateSequence,
+    CreateSequenceResponse,
+    FaultCode,
+    Offer,
+    RMVersion,
+    Sequence,
+    SequenceAcknowledgement,
+    SequenceFault,
+    TerminateSequence,
+)
+from qtp.wsrm.runtime._security import HEADER, sign_request
+from qtp.wsrm.runtime._transport import Transport, content_type
+
+SECRET = "honest-pair-secret-0123456789abcdefghij"
+MALLORY = "mallory-secret-0123456789abcdefghijklmn"
+WSA = WsaVersion.WSA200508
+ANON = anonymous(WSA)
+ACTION = "urn:test:apply"
+
+
+# ---------------------------------------------------------------------------------------------- set-up
+
+class Trap:
+    """An HTTP server that counts what reaches it: the 'internal service' an attacker aims a node at."""
+
+    def __init__(self) -> None:
+        hits = self.hits = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                hits.append(self.path)
+                self.send_response(202)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/rm"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.fixture
+def trap():
+    t = Trap()
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def hostile(request, tmp_path, pg_db, maria_db, trap):
+    """Factory: hostile(send=N, reply=..., limits=..., rate=...) -> (pair, client, server), both running."""
+    started: list[NodeProcess] = []
+
+    def make(send: int, reply: bool = False, limits: str = "", rate: float = 0.0, acks_to: str = "anonymous"):
+        client_app, server_app = pg_db("client"), maria_db("server")
+        client_schema(client_app)
+        server_schema(server_app)
+        mallory = f'\n[peers.mallory]\nendpoint = "{trap.url}"\nsecret = "{MALLORY}"\n'
+        pair = Pair(client_app, server_app, reply=reply, limits=limits, secret=SECRET, acks_to=acks_to,
+                    server_extra=mallory, client_extra=mallory)
+        client_config, server_config = pair.write(tmp_path)
+        server = NodeProcess(server_config, tmp_path / "server.log")
+        client = NodeProcess(client_config, tmp_path / "client.log",
+                             {"QTP_TEST_SEND": str(send), "QTP_TEST_ABORT_EVERY": "0", "QTP_TEST_RATE": str(rate)})
+        started.extend([server, client])
+        server.start()
+        client.start()
+        return pair, client, server
+
+    yield make
+    for node in started:
+        node.kill()
+
+
+def _env(body=None, message_id: str | None = None, reply_to: str = ANON, **kw) -> Envelope:
+    addressing = Addressing(action=kw.pop("action", None), to="http://x/rm",
+                            message_id=message_id or f"urn:uuid:{uuid.uuid4()}", reply_to=reply_to)
+    envelope = Envelope(soap=SoapVersion.SOAP12, rm=RMVersion.WSRM11, wsa=WSA, addressing=addressing, body=body, **kw)
+    if envelope.addressing.action is None:
+        envelope = dataclasses.replace(envelope, addressing=dataclasses.replace(addressing,
+                                                                                action=default_action(envelope)))
+    return envelope
+
+
+def _post(url: str, envelope: Envelope | bytes, as_peer: str | None = "mallory",
+          secret: str = MALLORY) -> tuple[int, bytes]:
+    """POST as ``as_peer`` (signed with ``secret``) or anonymously (None)."""
+    body = envelope if isinstance(envelope, bytes) else encode(envelope)
+    headers = {"Content-Type": content_type(SoapVersion.SOAP12, None)}
+    if as_peer is not None:
+        headers[HEADER] = sign_request(secret.encode(), as_peer, "POST", "/rm", body)
+    r = requests.post(url, data=body, headers=headers, timeout=10)
+    return r.status_code, r.content
+
+
+def _answer(content: bytes) -> Envelope:
+    return decode(content)
+
+
+def _url(node: NodeProcess) -> str:
+    return f"http://127.0.0.1:{node.port}/rm"
+
+
+def _client_sequence(pair: Pair) -> str:
+    """The identifier of the honest client's sequence, as the server stored it."""
+    found = rows(pair.server_app, "SELECT identifier, info FROM qtp_rm_destination")
+    return next(i for i, info in found if (json.loads(info).get("owner") or "").startswith("client-"))
+
+
+def _applied(pair: Pair) -> int:
+    return rows(pair.server_app, "SELECT COUNT(*) FROM applied")[0][0]
+
+
+def _finish(pair: Pair, count: int, reply: bool = False) -> None:
+    wait_until(lambda: _applied(pair) >= count, 120, f"{count} applied orders")
+    if reply:
+        wait_until(lambda: rows(pair.client_app, "SELECT COUNT(*) FROM replies")[0][0] >= count, 120,
+                   f"{count} replies")
+    result = check_exactly_once(pair.client_app, pair.server_app, reply)
+    assert result["committed"] == count == result["applied"]
+
+
+# ---------------------------------------------------------------------------------------------- attacks
+
+def test_a_forged_acknowledgement_loses_no_committed_message(hostile):
+    """Attack 1: with the server down, acknowledge the client's unacknowledged messages on its behalf."""
+    pair, client, server = hostile(send=40, rate=8)
+    wait_until(lambda: _applied(pair) >= 8, 60, "the first orders applied")
+    identifier = _client_sequence(pair)
+    server.kill()
+    wait_until(lambda: rows(pair.client_app, "SELECT COUNT(*) FROM qtp_rm_outgoing")[0][0] >= 5, 30,
+               "orders waiting at the client")
+    waiting = rows(pair.client_app, "SELECT COUNT(*) FROM qtp_rm_outgoing")[0][0]
+    forged = _env(acks=(SequenceAcknowledgement(identifier, ((1, 10_000),)),))
+    status, _ = _post(_url(client), forged, as_peer=None)
+    assert status == 401  # anonymous: not even read
+    status, body = _post(_url(client), forged)  # mallory: authenticated, but not the server
+    assert status == 403 and b"another peer" in body
+    time.sleep(1.0)  # the client's maintenance tick would have applied it by now
+    assert rows(pair.client_app, "SELECT COUNT(*) FROM qtp_rm_outgoing")[0][0] >= waiting
+    server.start()
+    _finish(pair, 40)
+
+
+def test_another_peers_sequence_cannot_be_used_ended_or_taken_over(hostile):
+    """A peer writes into, asks about, terminates, or re-creates (by its CreateSequence MessageID) the
+    honest client's sequence at the server."""
+    pair, client, server = hostile(send=30, rate=10)
+    wait_until(lambda: _applied(pair) >= 3, 60, "the first orders applied")
+    identifier = _client_sequence(pair)
+    before = _applied(pair)
+    attempts = [
+        _env(sequence=Sequence(identifier, 10_000), payload=b"<o xmlns='urn:test' k='999999'/>", action=ACTION),
+        _env(ack_requests=(AckRequested(identifier),)),
+        _env(TerminateSequence(identifier)),
+    ]
+    for envelope in attempts:
+        status, body = _post(_url(server), envelope)
+        assert status == 403, body
+    (info,) = [i for (i,) in rows(pair.server_app, f"SELECT info FROM qtp_rm_destination WHERE identifier = "
+                                                   f"'{identifier}'")]
+    create_id = json.loads(info)["create_message_id"]
+    status, body = _post(_url(server), _env(CreateSequence(ANON), message_id=create_id))
+    assert status == 200
+    assert _answer(body).body.identifier != identifier  # a sequence of its own, not the client's
+    assert rows(pair.server_app, "SELECT COUNT(*) FROM applied WHERE k = 999999")[0][0] == 0
+    assert _applied(pair) >= before
+    _finish(pair, 30)
+
+
+def test_a_node_sends_only_to_its_peers_addresses(hostile, trap):
+    """Attack 2 (SSRF and reflection): AcksTo, ReplyTo and the Offer's Endpoint aimed at another service."""
+    pair, client, server = hostile(send=10)
+    elsewhere = f"http://127.0.0.1:{client.port + 1}/internal"
+    for create in (_env(CreateSequence(elsewhere)),
+                   _env(CreateSequence(ANON), reply_to=elsewhere),
+                   _env(CreateSequence(ANON, offer=Offer(f"urn:uuid:{uuid.uuid4()}", endpoint=elsewhere)))):
+        status, body = _post(_url(server), create)
+        answer = _answer(body)
+        assert isinstance(answer.body, SequenceFault), body
+        assert answer.body.code is FaultCode.CREATE_SEQUENCE_REFUSED and "not an address of this peer" in \
+            answer.body.reason
+    status, body = _post(_url(server), _env(CreateSequence(elsewhere)), as_peer=None)
+    assert status == 401
+    # mallory's own address is fine: acknowledgements of a gapped message go there, and only there
+    status, body = _post(_url(server), _env(CreateSequence(trap.url)))
+    identifier = _answer(body).body.identifier
+    status, _ = _post(_url(server), _env(sequence=Sequence(identifier, 3), payload=b"<o xmlns='urn:test' k='-1'/>",
+                                         action=ACTION))
+    assert status == 202
+    wait_until(lambda: trap.hits, 10, "the acknowledgement at mallory's own AcksTo")
+    _finish(pair, 10)
+
+
+def test_an_offer_identifier_in_use_is_refused(hostile, trap):
+    """Attack 3 (reply hijack): offer the identifier the honest client offered for its replies."""
+    pair, client, server = hostile(send=20, reply=True, rate=10)
+    wait_until(lambda: rows(pair.client_app, "SELECT COUNT(*) FROM replies")[0][0] >= 3, 60, "the first replies")
+    (offered,) = [json.loads(r)["route"][len("offer:"):] for (r,) in
+                  rows(pair.server_app, "SELECT info FROM qtp_rm_source") if "offer:" in r][:1]
+    status, body = _post(_url(server), _env(CreateSequence(trap.url, offer=Offer(offered, endpoint=trap.url))))
+    answer = _answer(body)
+    assert isinstance(answer.body, SequenceFault) and answer.body.code is FaultCode.CREATE_SEQUENCE_REFUSED
+    assert "in use" in answer.body.reason
+    _finish(pair, 20, reply=True)
+    assert not [h for h in trap.hits if h]  # no reply went to mallory
+
+
+def test_one_peer_cannot_exhaust_what_another_needs(hostile):
+    """Attack 4: sequences, unknown actions and far-ahead numbers from one peer; the honest peer goes on."""
+    pair, client, server = hostile(send=30, rate=10, limits="max_sequences_per_peer = 4\nmax_gap = 64")
+    created = []
+    for _ in range(6):
+        status, body = _post(_url(server), _env(CreateSequence(ANON)))
+        answer = _answer(body)
+        if isinstance(answer.body, CreateSequenceResponse):
+            created.append(answer.body.identifier)
+        else:
+            assert answer.body.code is FaultCode.CREATE_SEQUENCE_REFUSED and "max_sequences_per_peer" in \
+                answer.body.reason
+    assert len(created) == 4
+    status, body = _post(_url(server), _env(sequence=Sequence(created[0], 1), payload=b"<o xmlns='urn:x'/>",
+                                            action="urn:nobody:handles-this"))
+    assert status == 400 and "no handler" in _answer(body).body.reason
+    status, body = _post(_url(server), _env(sequence=Sequence(created[1], 65), payload=b"<o xmlns='urn:test' k='1'/>",
+                                            action=ACTION))
+    assert status == 400 and "more than 64 above" in _answer(body).body.reason
+    assert not rows(pair.server_app, f"SELECT number FROM qtp_rm_incoming WHERE identifier IN "
+                                     f"('{created[0]}', '{created[1]}')")
+    _finish(pair, 30)
+
+
+def test_idle_connections_do_not_lock_out_peers(hostile):
+    """Attack 4e: more idle sockets than the old server's connection limit (100)."""
+    pair, client, server = hostile(send=20, rate=10)
+    sockets = []
+    try:
+        for _ in range(150):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            sockets.append(s)
+        began = time.monotonic()
+        assert requests.get(f"http://127.0.0.1:{server.port}/health", timeout=10).text.strip() == "ok"
+        assert time.monotonic() - began < 5
+        _finish(pair, 20)
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_poison_identifiers_are_refused_at_decode_and_faults_leak_no_sql(hostile):
+    """Attacks 5 and 6: identifiers longer than the store holds used to reach the database (503 with the
+    INSERT and its parameters, for ever)."""
+    pair, client, server = hostile(send=10)
+    status, body = _post(_url(server), _env(CreateSequence(ANON)))
+    identifier = _answer(body).body.identifier
+    long_id = "urn:x:" + "a" * 300
+    for envelope in (_env(sequence=Sequence(identifier, 1), payload=b"<o xmlns='urn:test' k='7'/>", action=ACTION,
+                          message_id=long_id),
+                     _env(CreateSequence(ANON, offer=Offer(long_id, endpoint=ANON))),
+                     _env(CreateSequence("http://h/" + "p" * 5000))):
+        status, body = _post(_url(server), envelope)
+        assert status == 400, (status, body[:300])
+        fault = _answer(body).body
+        assert isinstance(fault, SoapFault) and "at most" in fault.reason
+        assert not any(word in body for word in (b"SQL", b"INSERT", b"pymysql", b"Traceback"))
+    _finish(pair, 10)
+
+
+def test_metrics_and_health_answer_on_their_exact_paths_only(hostile):
+    pair, client, server = hostile(send=5)
+    base = f"http://127.0.0.1:{server.port}"
+    assert requests.get(f"{base}/metrics", timeout=5).status_code == 200
+    assert requests.get(f"{base}/health", timeout=5).status_code == 200
+    for path in ("/foo/metrics", "/rm/metrics", "/foo/health", "/rm/health"):
+        assert requests.get(base + path, timeout=5).status_code == 404, path
+    assert requests.post(f"{base}/elsewhere", data=b"<a/>", timeout=5,
+                         headers={"Content-Type": "application/soap+xml"}).status_code == 404
+    _finish(pair, 5)
+
+
+def test_refusals_are_counted_in_metrics(hostile):
+    pair, client, server = hostile(send=5)
+    _post(_url(server), _env(CreateSequence(ANON)), as_peer=None)
+    _post(_url(server), _env(CreateSequence(ANON)), as_peer="mallory", secret="wrong-" + MALLORY)
+    text = requests.get(f"http://127.0.0.1:{server.port}/metrics", timeout=5).text
+    line = next(x for x in text.splitlines() if x.startswith("qtp_requests_refused_total") and "unauthenticated" in x)
+    assert float(line.rsplit(" ", 1)[1]) == 2.0
+    _finish(pair, 5)
+
+
+# ---------------------------------------------------------------------------------------------- in-process
+
+def test_a_huge_or_redirecting_answer_is_not_read():
+    """Attack 4f: a peer answering with hundreds of MB; and a redirect to an internal address."""
+    sent = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path == "/redirect":
+                self.send_response(307)
+                self.send_header("Location", "http://127.0.0.1:1/internal")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/soap+xml")
+            self.end_headers()  # no length: streamed until the connection closes
+            chunk = b"x" * 65536
+            try:
+                for _ in range(400 * 16):  # 400 MB
+                    self.wfile.write(chunk)
+                    sent.append(len(chunk))
+            except OSError:
+                pass
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    transport = Transport(5, max_response_bytes=1024 * 1024)
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        with pytest.raises(TransportError, match="max_response_bytes"):
+            transport.post(f"{base}/big", b"<a/>", SoapVersion.SOAP12, None)
+        with pytest.raises(TransportError, match="redirect"):
+            transport.post(f"{base}/redirect", b"<a/>", SoapVersion.SOAP12, None)
+        assert sum(sent) < 64 * 1024 * 1024  # it stopped reading long before the end
+    finally:
+        transport.close()
+        server.shutdown()
+
+
+def test_https_endpoint_without_certificate_is_a_configuration_error(tmp_path):
+    from qtp.config import load_config
+    from qtp.wsrm.runtime._settings import node_settings
+
+    config = tmp_path / "qtp.toml"
+    config.write_text('[node]\nid = "n"\nendpoint = "https://127.0.0.1:8443/rm"\nmode = "memory"\n')
+    loaded = load_config(config)
+    with pytest.raises(ConfigurationError, match="tls_cert"):
+        node_settings(loaded.messaging, set(loaded.resources))
+    config.write_text('[node]\nid = "n"\nendpoint = "http://10.0.0.1:8443/rm"\nmode = "memory"\n'
+                      '[peers.p]\nendpoint = "http://10.0.0.2/rm"\nsecret = "short"\n')
+    loaded = load_config(config)
+    with pytest.raises(ConfigurationError, match="at least 32"):
+        node_settings(loaded.messaging, set(loaded.resources))
+
+
+# ---------------------------------------------------------------------------------------------- TLS
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _certificates(folder: Path) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate whose CN is the client node's id."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=qtp-test-ca",
+             "-keyout", "ca.key", "-out", "ca.pem", cwd=folder)
+    for name, extra in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+                 "-out", f"{name}.csr", cwd=folder)
+        (folder / f"{name}.ext").write_text(extra + "\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=folder)
+    return {n: folder / n for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+def _fingerprint(pem: Path) -> str:
+    out = subprocess.run(["openssl", "x509", "-noout", "-fingerprint", "-sha256", "-in", str(pem)],
+                         capture_output=True, text=True, check=True).stdout
+    return "sha256:" + out.strip().split("=", 1)[1]
+
+
+def test_tls_with_client_certificates_carries_orders_and_refuses_strangers(tmp_path, pg_db, maria_db):
+    """Mutual TLS in ``qtp serve`` (cheroot): the client verifies the server against the CA, the server
+    identifies the client by its pinned certificate; no shared secret."""
+    certs = _certificates(tmp_path)
+    client_app, server_app = pg_db("client"), maria_db("server")
+    client_schema(client_app)
+    server_schema(server_app)
+    pair = Pair(client_app, server_app)
+    client_config, server_config = pair.write(tmp_path)
+    server_id = f"server-{tmp_path.name[-20:].replace('_', '-')}"
+    client_id = f"client-{tmp_path.name[-20:].replace('_', '-')}"
+    s = server_config.read_text().replace(f"http://127.0.0.1:{pair.server_port}", f"https://127.0.0.1:{pair.server_port}")
+    s = s.replace("\n[node]\n", f'\n[node]\nallow_anonymous = false\ntls_cert = "{certs["server.pem"]}"\n'
+                  f'tls_key = "{certs["server.key"]}"\ntls_client_ca = "{certs["ca.pem"]}"\n', 1)
+    s += f'\n[peers.{client_id}]\nfingerprint = "{_fingerprint(certs["client.pem"])}"\n'
+    server_config.write_text(s)
+    c = client_config.read_text().replace(f"http://127.0.0.1:{pair.server_port}", f"https://127.0.0.1:{pair.server_port}")
+    c = c.replace("\n[node]\n", f'\n[node]\ntls_ca = "{certs["ca.pem"]}"\ntls_cert = "{certs["client.pem"]}"\n'
+                  f'tls_key = "{certs["client.key"]}"\n', 1)
+    c = c.replace(f'endpoint = "http://127.0.0.1:{pair.client_port}/rm"', "")  # a one-way client: no endpoint
+    c += f'\n[peers.{server_id}]\nendpoint = "https://127.0.0.1:{pair.server_port}/rm"\n' \
+         f'fingerprint = "{_fingerprint(certs["server.pem"])}"\n'
+    client_config.write_text(c)
+    server = NodeProcess(server_config, tmp_path / "server.log").start()
+    c_proc = None
+    try:
+        url = f"https://127.0.0.1:{pair.server_port}/rm"
+        body = encode(_env(CreateSequence(ANON)))
+        headers = {"Content-Type": content_type(SoapVersion.SOAP12, None)}
+        # no client certificate: a stranger
+        assert requests.post(url, data=body, headers=headers, verify=str(certs["ca.pem"]), timeout=10).status_code == 401
+        # plain HTTP to the TLS port gets no SOAP service
+        with pytest.raises(requests.RequestException):
+            requests.post(url.replace("https", "http"), data=body, headers=headers, timeout=5).raise_for_status()
+        c_proc = _start_client(client_config, tmp_path)
+        wait_until(lambda: rows(server_app, "SELECT COUNT(*) FROM applied")[0][0] >= 10, 120, "10 orders over TLS")
+        result = check_exactly_once(client_app, server_app, False)
+        assert result["applied"] == 10
+    finally:
+        server.kill()
+        if c_proc is not None:
+            c_proc.kill()
+
+
+def _start_client(config: Path, folder: Path) -> subprocess.Popen:
+    """A client node without an endpoint (nothing to poll for health): started, it sends 10 orders."""
+    import os
+    import sys
+
+    env = dict(os.environ, QTP_TEST_CONFIG=str(config), QTP_TEST_SEND="10", QTP_TEST_ABORT_EVERY="0")
+    log = open(folder / "client.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "qtp", "serve", "--app", "qtp.testing.e2e_app:node"], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
