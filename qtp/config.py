@@ -37,6 +37,13 @@ Messaging (optional; see ``qtp.wsrm.runtime`` and docs/messaging.md)::
 
     [limits]                     # see ``qtp.wsrm.runtime.Limits`` for every limit and its default
 
+    [peers.billing-1]            # a peer, by its [node] id (see qtp.wsrm.runtime._security, docs/security.md)
+    endpoint = "https://billing-1:8443/rm"
+    secret_env = "QTP_SECRET_BILLING"   # or secret = "...", or fingerprint = "sha256:..." (TLS client cert)
+
+``[node]`` also takes ``allow_anonymous``, ``tls_cert``, ``tls_key``, ``tls_ca``, ``tls_client_ca``,
+``metrics_token`` and ``anonymous_addresses``; relative certificate paths are taken from the file's folder.
+
 Relative ``log_dir`` paths are taken from the folder holding the file.
 """
 

@@ -192,6 +192,11 @@ class TransportError(MessagingError):
     retryable = True
 
 
+class AuthenticationError(MessagingError):
+    """A request (or an answer) does not prove it comes from a known peer: a bad or stale signature, an
+    unknown client certificate, or none where the node takes no anonymous requests."""
+
+
 class ProtocolError(MessagingError):
     """An event was not allowed in the state of a WS-RM state machine; the machine is now FAILED."""
 

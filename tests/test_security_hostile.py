@@ -175,7 +175,9 @@ def test_a_forged_acknowledgement_loses_no_committed_message(hostile):
     wait_until(lambda: rows(pair.client_app, "SELECT COUNT(*) FROM qtp_rm_outgoing")[0][0] >= 5, 30,
                "orders waiting at the client")
     waiting = rows(pair.client_app, "SELECT COUNT(*) FROM qtp_rm_outgoing")[0][0]
-    forged = _env(acks=(SequenceAcknowledgement(identifier, ((1, 10_000),)),))
+    wait_until(lambda: rows(pair.client_app, "SELECT MAX(number) FROM qtp_rm_outgoing")[0][0], 30, "numbered")
+    top = rows(pair.client_app, "SELECT MAX(number) FROM qtp_rm_outgoing")[0][0]  # exactly what was sent
+    forged = _env(acks=(SequenceAcknowledgement(identifier, ((1, top),)),))
     status, _ = _post(_url(client), forged, as_peer=None)
     assert status == 401  # anonymous: not even read
     status, body = _post(_url(client), forged)  # mallory: authenticated, but not the server
@@ -272,6 +274,38 @@ def test_one_peer_cannot_exhaust_what_another_needs(hostile):
     assert not rows(pair.server_app, f"SELECT number FROM qtp_rm_incoming WHERE identifier IN "
                                      f"('{created[0]}', '{created[1]}')")
     _finish(pair, 30)
+
+
+def test_offered_sequences_end_with_their_inbound_sequence(hostile):
+    """Attack 4c: every CreateSequence with an Offer left a reply sequence behind for ever (3,000 of them kept
+    an idle node busy). Here the client rolls over to a new sequence every 5 orders: the server's offered
+    sequences end once their inbound one is over and applied and their replies are acknowledged."""
+    pair, client, server = hostile(send=30, reply=True, limits="sequence_max_messages = 5")
+    _finish(pair, 30, reply=True)
+
+    def offered() -> int:
+        return sum(1 for (info,) in rows(pair.server_app, "SELECT info FROM qtp_rm_source")
+                   if json.loads(info)["route"].startswith("offer:"))
+
+    wait_until(lambda: offered() <= 1, 60, "the offered sequences of ended inbound sequences to end")
+
+
+def test_concurrent_create_sequences_all_succeed_on_mariadb(hostile):
+    """Attack 8: concurrent CreateSequence deadlocked in the MariaDB upsert (10 of 3,000 got 503)."""
+    pair, client, server = hostile(send=10, limits="max_sequences_per_peer = 5000\nmax_open_sequences = 10000")
+    statuses: list[int] = []
+
+    def create(n: int) -> None:
+        for _ in range(n):
+            statuses.append(_post(_url(server), _env(CreateSequence(ANON)))[0])
+
+    threads = [threading.Thread(target=create, args=(150,)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(statuses) == 1200 and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+    _finish(pair, 10)
 
 
 def test_idle_connections_do_not_lock_out_peers(hostile):

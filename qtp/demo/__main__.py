@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -57,8 +58,11 @@ _STORE_TABLES = ["qtp_rm_outgoing", "qtp_rm_source", "qtp_rm_destination", "qtp_
 
 
 def _configs(folder: Path, pg_url: str, maria_url: str) -> tuple[Path, Path]:
+    """The two nodes' files. They authenticate each other with a secret made for this run (HMAC-signed
+    requests and answers, see docs/security.md) and take no anonymous request."""
     client_port, server_port = free_port(), free_port()
-    common = f'log_dir = "{folder / "logs"}"\nstore = "app"\n'
+    secret = secrets.token_urlsafe(32)
+    common = f'log_dir = "{folder / "logs"}"\nstore = "app"\nallow_anonymous = false\n'
     client = folder / "client.toml"
     client.write_text(f'''[node]
 id = "shop-client"
@@ -74,6 +78,10 @@ reply = true
 [limits]
 retransmit_interval = 0.5
 retransmit_interval_max = 2
+
+[peers.shop-server]
+endpoint = "http://127.0.0.1:{server_port}/rm"
+secret = "{secret}"
 ''')
     server = folder / "server.toml"
     server.write_text(f'''[node]
@@ -82,6 +90,10 @@ endpoint = "http://127.0.0.1:{server_port}/rm"
 {common}
 [resources.app]
 url = "{maria_url}"
+
+[peers.shop-client]
+endpoint = "http://127.0.0.1:{client_port}/rm"
+secret = "{secret}"
 ''')
     return client, server
 
@@ -163,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     server = ServerNode(server_config, folder / "server.log")
     server.start()
     print(f"server node (MariaDB) serving at {server.url}, pid {server.proc.pid}", flush=True)
+    stranger = requests.post(server.url, data=b"<x/>", headers={"Content-Type": "application/soap+xml"}, timeout=10)
+    print(f"  the nodes authenticate each other (HMAC, a secret made for this run); an unsigned request gets "
+          f"HTTP {stranger.status_code}", flush=True)
 
     tm = qtp.TransactionManager.from_config(client_config)   # the client node: recovery, sender, endpoint
     qtp.install(tm)

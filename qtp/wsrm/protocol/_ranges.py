@@ -7,46 +7,68 @@ value itself (WS-RM wants the ranges merged: 1-3,5 rather than 1,2,3,5).
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections.abc import Iterable
 
 from qtp.wsrm.protocol._messages import AckRanges
 
+_TOP = 1 << 63  # above every message number: (n, _TOP) sorts after every range that starts at n
+
 
 def add(ranges: AckRanges, number: int) -> AckRanges:
-    """``ranges`` with ``number`` included, merged with its neighbours."""
-    return union(ranges, ((number, number),))
+    """``ranges`` with ``number`` included, merged with its neighbours: a binary search and one copy, so a
+    sequence with thousands of gaps costs no sort per message."""
+    i = bisect.bisect_right(ranges, (number, _TOP))  # ranges[:i] start at or below number
+    if i and ranges[i - 1][1] >= number:
+        return ranges  # already in
+    joins_left = i > 0 and ranges[i - 1][1] == number - 1
+    joins_right = i < len(ranges) and ranges[i][0] == number + 1
+    if joins_left and joins_right:
+        return (*ranges[:i - 1], (ranges[i - 1][0], ranges[i][1]), *ranges[i + 1:])
+    if joins_left:
+        return (*ranges[:i - 1], (ranges[i - 1][0], number), *ranges[i:])
+    if joins_right:
+        return (*ranges[:i], (number, ranges[i][1]), *ranges[i + 1:])
+    return (*ranges[:i], (number, number), *ranges[i:])
 
 
 def union(ranges: AckRanges, other: Iterable[tuple[int, int]]) -> AckRanges:
+    """Both sets of numbers; ``ranges`` is sorted already, so only ``other`` is sorted (then merged)."""
     merged: list[list[int]] = []
-    for lower, upper in sorted([*ranges, *other]):
+    for lower, upper in heapq.merge(ranges, sorted(other)):
         if merged and lower <= merged[-1][1] + 1:
-            merged[-1][1] = max(merged[-1][1], upper)
+            if upper > merged[-1][1]:
+                merged[-1][1] = upper
         else:
             merged.append([lower, upper])
     return tuple((lower, upper) for lower, upper in merged)
 
 
 def difference(ranges: AckRanges, other: AckRanges) -> AckRanges:
-    """Numbers in ``ranges`` and not in ``other``."""
+    """Numbers in ``ranges`` and not in ``other``, in one pass over both."""
     result: list[tuple[int, int]] = []
+    j = 0
     for lower, upper in ranges:
-        start = lower
-        for o_lower, o_upper in other:
-            if o_upper < start or o_lower > upper:
-                continue
+        while j < len(other) and other[j][1] < lower:
+            j += 1
+        start, k = lower, j
+        while k < len(other) and other[k][0] <= upper:
+            o_lower, o_upper = other[k]
             if o_lower > start:
                 result.append((start, o_lower - 1))
             start = max(start, o_upper + 1)
             if start > upper:
                 break
+            k += 1
         if start <= upper:
             result.append((start, upper))
     return tuple(result)
 
 
 def contains(ranges: AckRanges, number: int) -> bool:
-    return any(lower <= number <= upper for lower, upper in ranges)
+    i = bisect.bisect_right(ranges, (number, _TOP))
+    return i > 0 and ranges[i - 1][1] >= number
 
 
 def count(ranges: AckRanges) -> int:

@@ -268,7 +268,7 @@ class Receiver:
                                acks_to=_address(body.acks_to), create_message_id=message_id, owner=caller)
         offered = None
         with self.store.local() as s:
-            self.store.save_destination(s, info, machine.record)
+            self.store.create_destination(s, info, machine.record)
             if accepted is not None:
                 offered = self.node.sender.add_offer_route(s, self.store, accepted, offer_peer, machine.record.version,
                                                            info.soap, info.wsa, body.batch, owner=caller)
@@ -382,7 +382,7 @@ class Receiver:
         ``_messages`` raises it to every caller, none of whose messages was acknowledged."""
         self._reload_if_stale(identifier)
         machine = self._machines.get(identifier)
-        if machine is None:  # forgotten while the requests waited
+        if machine is None or identifier not in self._infos:  # forgotten while the requests waited
             for arrival in group:
                 arrival.answer = self._answer(arrival.envs[0], identifier, [unknown_sequence(identifier)])
             return
@@ -461,7 +461,9 @@ class Receiver:
             return self._answer(env, identifier, [unknown_sequence(identifier)])
         with lock:
             self._reload_if_stale(identifier)
-            machine = self._machines[identifier]
+            machine = self._machines.get(identifier)
+            if machine is None:  # forgotten while this request waited for the lock
+                return self._answer(env, identifier, [unknown_sequence(identifier)])
             probe = DestinationSequence(machine.record)
             try:
                 actions = probe.handle(event)
@@ -532,6 +534,15 @@ class Receiver:
             self.node.sender.end_offer(machine.record.accepted_offer)
 
     def _forget(self, identifier: str) -> None:
+        """Drop an ended sequence, under its lock: a request that holds the lock finishes first, one that
+        waits for it then finds the sequence gone (UnknownSequence) instead of half of it (a 500)."""
+        lock = self._locks.get(identifier)
+        if lock is None:
+            return
+        with lock:
+            self._forget_locked(identifier)
+
+    def _forget_locked(self, identifier: str) -> None:
         with self.store.local() as s:
             self.store.drop_destination(s, identifier)
         with self._mutex:

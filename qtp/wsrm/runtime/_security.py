@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from qtp.errors import ConfigurationError
+from qtp.errors import AuthenticationError, ConfigurationError
 
 HEADER = "X-Qtp-Signature"
 WSGI_HEADER = "HTTP_X_QTP_SIGNATURE"
@@ -48,10 +48,6 @@ MIN_SECRET = 32
 MAX_CLOCK_SKEW = 300.0
 ANONYMOUS = None  # the identity of a request that proved nothing
 _FIELD = re.compile(r'(\w+)="([^"]*)"')
-
-
-class AuthenticationError(Exception):
-    """A request (or a response) carries a signature that does not hold."""
 
 
 @dataclass(frozen=True)

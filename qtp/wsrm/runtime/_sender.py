@@ -174,7 +174,7 @@ class Sender:
                               retransmit_interval=self.limits.retransmit_interval,
                               max_interval=self.limits.retransmit_interval_max,
                               peer_batch=min(batch, self.limits.max_batch) if batch else 1)
-        store.save_source(s, SourceInfo(route, peer, soap, wsa, owner=owner), record)
+        store.create_source(s, SourceInfo(route, peer, soap, wsa, owner=owner), record)
         return record
 
     def adopt_offer(self, record: SourceRecord, info: SourceInfo) -> None:

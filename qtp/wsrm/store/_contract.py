@@ -188,6 +188,10 @@ class Store(abc.ABC):
     def backlog(self, s: Any, route: str | None = None) -> int:
         """Outgoing messages not yet acknowledged (of ``route``, or of every route)."""
 
+    def create_source(self, s: Any, info: SourceInfo, record: SourceRecord) -> None:
+        """Save the record of an RM Source just made (no row of it can exist yet)."""
+        self.save_source(s, info, record)
+
     @abc.abstractmethod
     def save_source(self, s: Any, info: SourceInfo, record: SourceRecord) -> None:
         """Insert or replace the record of RM Source sequence ``record.key``."""
@@ -205,6 +209,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def save_destination(self, s: Any, info: DestinationInfo, record: DestinationRecord) -> None:
         """Insert or replace the record of RM Destination sequence ``record.identifier``."""
+
+    def create_destination(self, s: Any, info: DestinationInfo, record: DestinationRecord) -> None:
+        """Save the record of a sequence this node just named (no row of it can exist yet)."""
+        self.save_destination(s, info, record)
 
     @abc.abstractmethod
     def destinations(self, s: Any) -> list[tuple[DestinationInfo, DestinationRecord]]:

@@ -220,6 +220,10 @@ class SqlStore(Store):
         self._upsert(s, sources, {"seq_key": record.key},
                      {"info": _dump(_fields(info)), "record": _dump(to_row(record))})
 
+    def create_source(self, s: Connection, info: SourceInfo, record: SourceRecord) -> None:
+        record = dataclasses.replace(record, pending=())
+        s.execute(sources.insert().values(seq_key=record.key, info=_dump(_fields(info)), record=_dump(to_row(record))))
+
     def sources(self, s: Connection) -> list[tuple[SourceInfo, SourceRecord]]:
         return _with_info(s, sources, SourceInfo, SourceRecord)
 
@@ -232,6 +236,12 @@ class SqlStore(Store):
     def save_destination(self, s: Connection, info: DestinationInfo, record: DestinationRecord) -> None:
         self._upsert(s, destinations, {"identifier": record.identifier},
                      {"info": _dump(_fields(info)), "record": _dump(to_row(record))})
+
+    def create_destination(self, s: Connection, info: DestinationInfo, record: DestinationRecord) -> None:
+        """A plain INSERT: the upsert's UPDATE of a missing row takes a gap lock in InnoDB, and two
+        CreateSequence committing at once then deadlocked (one got 503)."""
+        s.execute(destinations.insert().values(identifier=record.identifier, info=_dump(_fields(info)),
+                                               record=_dump(to_row(record))))
 
     def destinations(self, s: Connection) -> list[tuple[DestinationInfo, DestinationRecord]]:
         return _with_info(s, destinations, DestinationInfo, DestinationRecord)
