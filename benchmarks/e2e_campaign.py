@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import secrets
 import subprocess
 import sys
 import time
@@ -67,7 +68,8 @@ def _pair(args: argparse.Namespace, pg: EmbeddedPostgres, maria: EmbeddedMariaDB
         stores = {"client_store": server_db.create_database(f"cs_{tag}"),
                   "server_store": client_db.create_database(f"ss_{tag}")}
     return Pair(client_app, server_app, reply=args.reply, mode=args.mode, wsrm=args.wsrm, soap=args.soap,
-                proxy_port=free_port(), back_proxy_port=free_port(), limits="max_attempts = 1000", **stores)
+                proxy_port=free_port(), back_proxy_port=free_port(), limits="max_attempts = 1000",
+                secret=secrets.token_urlsafe(32) if args.auth else None, **stores)
 
 
 def _count(url: str, query: str) -> int:
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", choices=["colocated", "other"], default="colocated",
                         help="queues in each node's application database, or in the other database (2PC)")
     parser.add_argument("--one-way", dest="reply", action="store_false", help="no replies")
+    parser.add_argument("--auth", action="store_true",
+                        help="the nodes authenticate each other (signed requests, anonymous refused)")
     parser.add_argument("--wsrm", default="1.1")
     parser.add_argument("--soap", default="1.2")
     parser.add_argument("--drain-s", type=float, default=600.0, help="bound on the final wait")

@@ -7,6 +7,8 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
 
 - (a) qtp ``xa``, each node's queues in its own application database (one local commit per send and apply);
 - (b) qtp ``xa``, each node's queues in the other database (two-phase commit at both ends);
+- (A) as (a), with the nodes authenticating each other (every request and response HMAC-signed, anonymous
+  requests refused: docs/security.md), what signing costs;
 - (r) as (a), request-reply: the server's handler answers each order, the client applies each reply in a
   transaction (replies/s reported beside);
 - (s) **the strong baseline**, what a user would hand-write: an ``outbox`` row written in the client's
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -51,7 +54,7 @@ from qtp.testing.nodes import NodeProcess, Pair, client_schema, counter, create,
 
 HERE = Path(__file__).resolve().parent
 PAD = 1000 - len('<order xmlns="urn:test" k="12345"></order>')
-LABELS = {"a": "qtp xa, queues co-located", "b": "qtp xa, queues in the other db",
+LABELS = {"a": "qtp xa, queues co-located", "A": "qtp xa, co-located, authenticated peers", "b": "qtp xa, queues in the other db",
           "r": "qtp xa, co-located, request-reply", "s": "strong outbox baseline", "c": "serial outbox baseline"}
 STRONG_BATCH = 500
 
@@ -111,12 +114,13 @@ def _databases_cpu(pg, maria) -> dict[str, int | None]:
 
 
 def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, tag: str,
-            rate: float | None = None, batch_handler: bool = False, reply: bool = False) -> dict:
+            rate: float | None = None, batch_handler: bool = False, reply: bool = False,
+            secret: str | None = None) -> dict:
     client_app, server_app = _fresh(pg, f"tc_{tag}"), _fresh(maria, f"ts_{tag}")
     client_schema(client_app)
     server_schema(server_app)
     stores = {"client_store": _fresh(maria, f"tcs_{tag}"), "server_store": _fresh(pg, f"tss_{tag}")} if other else {}
-    pair = Pair(client_app, server_app, reply=reply, **stores)
+    pair = Pair(client_app, server_app, reply=reply, secret=secret, **stores)
     run = folder / tag
     run.mkdir(parents=True, exist_ok=True)
     client_config, server_config = pair.write(run)
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", default="1,16")
-    parser.add_argument("--variants", default="a,b,r,s,c", help="a, b, r (qtp), s (strong), c (serial); see above")
+    parser.add_argument("--variants", default="a,b,r,s,c", help="a, A, b, r (qtp), s (strong), c (serial); see above")
     parser.add_argument("--rate", type=float, default=None, help="pace the senders at this many messages/s")
     parser.add_argument("--batch-handler", action="store_true", help="the qtp server applies with a batch handler")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
@@ -262,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_outbox(pg, maria, folder, args.messages, threads, tag, variant == "s", args.rate)
                 else:
                     r = run_qtp(pg, maria, folder, args.messages, threads, variant == "b", tag, args.rate,
-                                args.batch_handler, reply=variant == "r")
+                                args.batch_handler, reply=variant == "r",
+                                secret=secrets.token_urlsafe(32) if variant == "A" else None)
                 r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate,
                          batch_handler=args.batch_handler)
                 results.append(r)
@@ -296,7 +301,7 @@ def summarise(results: list[dict]) -> dict:
             ratios = "".join(f" = {x[k]:.2f}x ({k[-1]})" for k in ("ratio_to_s", "ratio_to_c") if k in x)
             cpu = " ".join(f"{proc} {ms:.2f}" for proc, ms in x["cpu_ms_per_msg"].items())
             replied = f"; replies {x['replied_rate']:.0f}/s" if x.get("replied_rate") else ""
-            print(f"{threads:2d} thread(s) ({variant}) {LABELS[variant]:34s} {x['rate']:7.1f} msg/s{ratios}{replied}; "
+            print(f"{threads:2d} thread(s) ({variant}) {LABELS[variant]:40s} {x['rate']:7.1f} msg/s{ratios}{replied}; "
                   f"sent {x['sent_rate']:.0f}/s; p50 {x['p50_ms']:.1f} ms p99 {x['p99_ms']:.1f} ms; CPU ms/msg: {cpu}")
     return summary
 

@@ -30,16 +30,16 @@ def _receiver(url: str, logs: Path, arrivals: list[int], applied: list[int]) -> 
     lock = threading.Lock()
     handle, handle_batch = node.receiver.handle, node.receiver.handle_batch
 
-    def spy(env):
+    def spy(env, caller=None):
         if env.sequence is not None:
             with lock:
                 arrivals.append(env.sequence.number)
-        return handle(env)
+        return handle(env, caller)
 
-    def spy_batch(envs):
+    def spy_batch(envs, caller=None):
         with lock:
             arrivals.extend(env.sequence.number for env in envs)
-        return handle_batch(envs)
+        return handle_batch(envs, caller)
 
     node.receiver.handle, node.receiver.handle_batch = spy, spy_batch
 

@@ -121,6 +121,94 @@ def test_source_destination_and_invoker_records_round_trip(store):
         assert store.sources(s) == [] and store.destinations(s) == [] and store.invokers(s) == []
 
 
+def test_a_destination_with_thousands_of_gaps_round_trips_saved_by_difference(store):
+    """Saved with the committed record as ``before`` at every step (as the receiver does), the record reads
+    back whole: while gaps open, when they close and merge ranges, and after a save that knows no ``before``."""
+    from qtp.wsrm.protocol import _ranges as ranges
+    info = DestinationInfo(reply_to=None)
+    record = DestinationRecord("urn:gappy", RMVersion.WSRM11)
+    with store.local() as s:
+        store.create_destination(s, info, record)
+    steps = [2 * i for i in range(1, 1001)] + [3, 5, 1] + list(range(7, 40, 2)) + [2001, 4000]
+    for i, number in enumerate(steps):
+        before, record = record, replace(record, received=ranges.add(record.received, number))
+        with store.local() as s:
+            store.save_destination(s, info, record, before=before)
+        if i % 250 == 0 or i >= len(steps) - 25:
+            with store.local() as s:
+                assert store.destinations(s) == [(info, record)], f"after {number}"
+    assert len(record.received) > 900
+    shrunk = replace(record, received=((1, 10),))
+    with store.local() as s:
+        store.save_destination(s, info, shrunk)  # no before: everything written again
+    with store.local() as s:
+        assert store.destinations(s) == [(info, shrunk)]
+        store.save_destination(s, info, record, before=shrunk)
+    with store.local() as s:
+        assert store.destinations(s) == [(info, record)]
+        store.drop_destination(s, "urn:gappy")
+    with store.local() as s:
+        assert store.destinations(s) == []
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mariadb"])
+def test_one_more_gap_writes_a_row_not_the_whole_record(request, database):
+    """Issue 21, attack 4d: with 2,000 gaps, accepting one more message sent the whole record (every range as
+    JSON, about 30 KB) to the database per commit. Now it sends the record's fixed fields and one range row."""
+    from qtp.wsrm.protocol import _ranges as ranges
+    engine = sqlalchemy.create_engine(request.getfixturevalue("pg_db" if database == "postgresql" else "maria_db")("gaps"))
+    store = SqlStore("gaps", engine)
+    store.create()
+    info = DestinationInfo(reply_to=None)
+    record = DestinationRecord("urn:gaps", RMVersion.WSRM11, received=tuple((2 * i, 2 * i) for i in range(1, 2001)))
+    with store.local() as s:
+        store.save_destination(s, info, record)
+    sent: list[int] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany):
+        sent.append(len(statement) + len(repr(parameters)))
+
+    sqlalchemy.event.listen(engine, "before_cursor_execute", count)
+    try:
+        for number in (4002, 4004, 3, 5):  # two new gaps, then two that close one and merge neighbours
+            before, record = record, replace(record, received=ranges.add(record.received, number))
+            with store.local() as s:
+                store.save_destination(s, info, record, before=before)
+    finally:
+        sqlalchemy.event.remove(engine, "before_cursor_execute", count)
+    with store.local() as s:
+        assert store.destinations(s) == [(info, record)]
+    assert max(sent) < 2000, sent
+    assert sum(sent) < 4 * 4000, sent
+    engine.dispose()
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mariadb"])
+def test_a_record_written_with_all_its_ranges_in_json_moves_them_to_rows_when_read(request, database, monkeypatch):
+    """Stores written before ranges had rows keep working: the first read moves the ranges, so the next save
+    by difference does not lose them."""
+    from qtp.wsrm.protocol import _ranges as ranges
+    from qtp.wsrm.store import _sql
+    engine = sqlalchemy.create_engine(request.getfixturevalue("pg_db" if database == "postgresql" else "maria_db")("legacy"))
+    store = SqlStore("legacy", engine)
+    store.create()
+    info = DestinationInfo(reply_to=None)
+    record = DestinationRecord("urn:old", RMVersion.WSRM11, received=tuple((3 * i, 3 * i + 1) for i in range(1, 101)))
+    with monkeypatch.context() as m:
+        m.setattr(_sql, "_INLINE", 10**9)  # the old layout: every range in the JSON
+        with store.local() as s:
+            store.save_destination(s, info, record)
+    with store.local() as s:
+        assert store.destinations(s) == [(info, record)]
+    before, record = record, replace(record, received=ranges.add(record.received, 1000))
+    with store.local() as s:
+        store.save_destination(s, info, record, before=before)
+    with store.local() as s:
+        assert store.destinations(s) == [(info, record)]
+        assert s.execute(sqlalchemy.text("SELECT count(*) FROM qtp_rm_received")).scalar() == 101
+    engine.dispose()
+
+
 def test_incoming_is_stored_once_and_consumed_once(store):
     with store.local() as s:
         assert store.store_incoming(s, _in("urn:d", 2))

@@ -395,7 +395,7 @@ class Receiver:
             self._stale.add(identifier)  # until the commit is known to have happened
             with self.store.local() as s:
                 self.store.store_incoming_many(s, accepted)
-                self.store.save_destination(s, self._infos[identifier], record)
+                self.store.save_destination(s, self._infos[identifier], record, before=machine.record)
             failpoint("after_store_before_ack")
             self.node.metrics.received.inc(len(accepted))
             self.node.metrics.stored_batch.observe(len(accepted))
@@ -472,7 +472,7 @@ class Receiver:
             if probe.record.state is not machine.record.state or probe.record.last_number != machine.record.last_number:
                 self._stale.add(identifier)
                 with self.store.local() as s:
-                    self.store.save_destination(s, self._infos[identifier], probe.record)
+                    self.store.save_destination(s, self._infos[identifier], probe.record, before=machine.record)
             self._machines[identifier] = probe
             self._stale.discard(identifier)
         for a in actions:

@@ -207,8 +207,11 @@ class Store(abc.ABC):
     # ------------------------------------------------------------------ RM Destination side
 
     @abc.abstractmethod
-    def save_destination(self, s: Any, info: DestinationInfo, record: DestinationRecord) -> None:
-        """Insert or replace the record of RM Destination sequence ``record.identifier``."""
+    def save_destination(self, s: Any, info: DestinationInfo, record: DestinationRecord,
+                         before: DestinationRecord | None = None) -> None:
+        """Insert or replace the record of RM Destination sequence ``record.identifier``. ``before``, when
+        given, is the record as last committed: a store may then write only what changed (a sequence
+        with thousands of gaps must not rewrite them all per message)."""
 
     def create_destination(self, s: Any, info: DestinationInfo, record: DestinationRecord) -> None:
         """Save the record of a sequence this node just named (no row of it can exist yet)."""

@@ -103,7 +103,8 @@ class MemoryStore(Store):
 
     # ------------------------------------------------------------------ RM Destination side
 
-    def save_destination(self, s: _Data, info: DestinationInfo, record: DestinationRecord) -> None:
+    def save_destination(self, s: _Data, info: DestinationInfo, record: DestinationRecord,
+                         before: DestinationRecord | None = None) -> None:
         s.destinations[record.identifier] = (info, record)
 
     def destinations(self, s: _Data) -> list[tuple[DestinationInfo, DestinationRecord]]:

@@ -25,6 +25,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from qtp.errors import ConfigurationError
 
+from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.protocol import (
     AckRanges,
     DestinationRecord,
@@ -79,6 +80,13 @@ destinations = sa.Table(
     sa.Column("record", _TEXT, nullable=False),
 )
 
+received = sa.Table(  # a destination's received numbers once it has more than _INLINE ranges: a row per range
+    "qtp_rm_received", metadata,
+    sa.Column("identifier", _ID, primary_key=True),
+    sa.Column("lower", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("upper", sa.BigInteger, nullable=False),
+)
+
 incoming = sa.Table(
     "qtp_rm_incoming", metadata,
     sa.Column("identifier", _ID, primary_key=True),
@@ -118,6 +126,8 @@ applied = sa.Table(
     sa.Column("applied_at", sa.Float(53), nullable=False),
     sa.Index("qtp_rm_applied_at", "applied_at"),
 )
+
+_INLINE = 16  # up to this many received ranges travel in the record's JSON (no extra statement per commit)
 
 _INCOMING_FIELDS = ("identifier", "number", "message_id", "action", "payload", "relates_to", "fault",
                     "received_at", "enqueued_at", "attempts", "not_before", "last_error")
@@ -233,21 +243,56 @@ class SqlStore(Store):
 
     # ------------------------------------------------------------------ RM Destination side
 
-    def save_destination(self, s: Connection, info: DestinationInfo, record: DestinationRecord) -> None:
+    def save_destination(self, s: Connection, info: DestinationInfo, record: DestinationRecord,
+                         before: DestinationRecord | None = None) -> None:
+        """The record's fixed fields as one small JSON; its received numbers, once they are more than
+        ``_INLINE`` ranges (a sequence with gaps), as rows of ``qtp_rm_received`` of which only those that
+        differ from ``before`` (the committed record, when the caller knows it) are written: a message that
+        opens or closes a gap costs a row or two, however many gaps the sequence has."""
+        inline, rows = _split(record.received)
         self._upsert(s, destinations, {"identifier": record.identifier},
-                     {"info": _dump(_fields(info)), "record": _dump(to_row(record))})
+                     {"info": _dump(_fields(info)), "record": _dump(to_row(dataclasses.replace(record, received=inline)))})
+        key = received.c.identifier == record.identifier
+        if before is None:
+            s.execute(received.delete().where(key))
+            old: set[tuple[int, int]] = set()
+        else:
+            old = set(_split(before.received)[1])
+        new = set(rows)
+        gone = [lower for lower, _ in old - new]
+        if gone:
+            s.execute(received.delete().where(key, received.c.lower.in_(gone)))
+        added = new - old
+        if added:
+            s.execute(received.insert(), [{"identifier": record.identifier, "lower": lower, "upper": upper}
+                                          for lower, upper in sorted(added)])
 
     def create_destination(self, s: Connection, info: DestinationInfo, record: DestinationRecord) -> None:
         """A plain INSERT: the upsert's UPDATE of a missing row takes a gap lock in InnoDB, and two
         CreateSequence committing at once then deadlocked (one got 503)."""
+        assert len(record.received) <= _INLINE, "a new sequence has received nothing"
         s.execute(destinations.insert().values(identifier=record.identifier, info=_dump(_fields(info)),
                                                record=_dump(to_row(record))))
 
     def destinations(self, s: Connection) -> list[tuple[DestinationInfo, DestinationRecord]]:
-        return _with_info(s, destinations, DestinationInfo, DestinationRecord)
+        """Every record with its received ranges whole again. A record whose JSON holds more than
+        ``_INLINE`` ranges (written before ranges had rows) has them moved to rows here, so that a later
+        save that writes only the difference starts from what the rows hold."""
+        rows: dict[str, list[tuple[int, int]]] = {}
+        for identifier, lower, upper in s.execute(sa.select(received.c.identifier, received.c.lower, received.c.upper)
+                                                  .order_by(received.c.identifier, received.c.lower)):
+            rows.setdefault(identifier, []).append((lower, upper))
+        result = []
+        for info, record in _with_info(s, destinations, DestinationInfo, DestinationRecord):
+            whole = ranges.union(record.received, rows.get(record.identifier, ()))
+            record = dataclasses.replace(record, received=whole)
+            if len(whole) > _INLINE and record.identifier not in rows:
+                self.save_destination(s, info, record)
+            result.append((info, record))
+        return result
 
     def drop_destination(self, s: Connection, identifier: str) -> None:
-        for table in (incoming, invokers, destinations):
+        for table in (incoming, invokers, received, destinations):
             s.execute(table.delete().where(table.c.identifier == identifier))
 
     def store_incoming(self, s: Connection, message: Incoming) -> bool:
@@ -373,6 +418,11 @@ def _with_info(s: Connection, table: sa.Table, info: type, record: type) -> list
     """Every (info, machine record) pair saved in ``table``, by primary key."""
     return [(info(**json.loads(row.info)), from_row(record, json.loads(row.record)))
             for row in s.execute(table.select().order_by(*table.primary_key.columns))]
+
+
+def _split(numbers: AckRanges) -> tuple[AckRanges, AckRanges]:
+    """(the ranges kept in the record's JSON, the ranges kept as rows): all in one place or the other."""
+    return (numbers, ()) if len(numbers) <= _INLINE else ((), numbers)
 
 
 def _fields(value: Any) -> dict[str, Any]:
