@@ -8,7 +8,9 @@ request, then restart the node and time its start (loading the record with all i
     .venv/bin/python benchmarks/gaps.py --compare /path/to/old/checkout --gaps 6000
 
 ``--compare`` runs the same measurement with another checkout's qtp (a subprocess with its PYTHONPATH)
-right after this one, for figures from the same run.
+right after this one, for figures from the same run. The value is used as PYTHONPATH, so it may name
+several folders: a checkout from before cheroot also needs waitress, e.g.
+``--compare /tmp/old:/tmp/oldlib`` after ``pip install --target /tmp/oldlib waitress``.
 """
 
 from __future__ import annotations
