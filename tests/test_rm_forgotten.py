@@ -10,15 +10,20 @@ retention stand in for 24 h and 1 h.
 
 from __future__ import annotations
 
+import pytest
+
 from qtp.testing.nodes import NodeProcess, Pair, client_schema, rows, server_schema, wait_until
 
 
+@pytest.mark.parametrize("secret", [None, "forgotten-pair-secret-0123456789abcdef"], ids=["anonymous", "peers"])
 def test_messages_sent_again_after_the_server_forgot_their_sequence_are_not_applied_twice(pg_db, maria_db,
-                                                                                          tmp_path):
+                                                                                          tmp_path, secret):
+    """Anonymous senders and named peers alike (a peer's MessageIDs are remembered within its scope)."""
     client_app, server_app = pg_db("client"), maria_db("server")
     client_schema(client_app)
     server_schema(server_app)
-    pair = Pair(client_app, server_app, reply=False, limits="inactivity_timeout = 3\nended_retention = 1")
+    pair = Pair(client_app, server_app, reply=False, limits="inactivity_timeout = 3\nended_retention = 1",
+                secret=secret)
     client_config, server_config = pair.write(tmp_path)
     server = NodeProcess(server_config, tmp_path / "server.log").start()
     client = NodeProcess(client_config, tmp_path / "client.log",

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import http.server
 import json
+import os
+import signal
 import socket
 import subprocess
 import threading
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import sqlalchemy
 
 from qtp.errors import ConfigurationError, TransportError
 from qtp.testing.nodes import NodeProcess, Pair, check_exactly_once, client_schema, rows, server_schema, wait_until
@@ -212,6 +215,38 @@ def test_another_peers_sequence_cannot_be_used_ended_or_taken_over(hostile):
     assert rows(pair.server_app, "SELECT COUNT(*) FROM applied WHERE k = 999999")[0][0] == 0
     assert _applied(pair) >= before
     _finish(pair, 30)
+
+
+def test_another_peer_sending_a_victims_message_ids_first_does_not_make_them_duplicates(hostile):
+    """Duplicate detection across sequences remembers MessageIDs (qtp_rm_applied). A peer that sends the
+    honest client's MessageIDs first (an eavesdropper saw them on the wire while the server was down) had its
+    own messages applied under them, and the client's real orders were then consumed as duplicates: lost.
+    Now a MessageID counts as applied only within the peer that sent it."""
+    pair, client, server = hostile(send=20, rate=10)
+    wait_until(lambda: _applied(pair) >= 3, 60, "the first orders applied")
+    server.kill()
+    wait_until(lambda: rows(pair.client_app, "SELECT COUNT(*) FROM qtp_rm_outgoing")[0][0] >= 3, 30,
+               "orders waiting at the client")
+    os.killpg(client.proc.pid, signal.SIGSTOP)  # the client cannot retransmit before mallory has struck
+    try:
+        seen = [m for (m,) in rows(pair.client_app, "SELECT message_id FROM qtp_rm_outgoing")]
+        server.start()
+        status, body = _post(_url(server), _env(CreateSequence(ANON)))
+        identifier = _answer(body).body.identifier
+        for number, message_id in enumerate(seen, 1):
+            order = f'<order xmlns="urn:test" k="{7_000_000 + number}"/>'.encode()
+            status, body = _post(_url(server), _env(sequence=Sequence(identifier, number), payload=order,
+                                                    action=ACTION, message_id=message_id))
+            assert status in (200, 202), body
+        wait_until(lambda: rows(pair.server_app, "SELECT COUNT(*) FROM applied WHERE k >= 7000000")[0][0]
+                   == len(seen), 30, "mallory's own orders applied")
+        engine = sqlalchemy.create_engine(pair.server_app, poolclass=sqlalchemy.pool.NullPool)
+        with engine.begin() as conn:  # mallory's own orders, not the client's: out of the tally
+            conn.execute(sqlalchemy.text("DELETE FROM applied WHERE k >= 7000000"))
+        engine.dispose()
+    finally:
+        os.killpg(client.proc.pid, signal.SIGCONT)
+    _finish(pair, 20)
 
 
 def test_a_node_sends_only_to_its_peers_addresses(hostile, trap):

@@ -26,6 +26,7 @@ so the sequence moves on; for request-reply a SOAP fault goes back to the client
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
 import threading
@@ -119,6 +120,16 @@ class _Schedule:
     def wake_all(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+
+def applied_key(owner: str | None, message_id: str) -> str:
+    """What ``qtp_rm_applied`` remembers for a message: its MessageID within its sender's scope. A peer's
+    MessageIDs are hashed with the peer's name, so another peer that sends the same MessageID first (it saw
+    it on the wire, or guessed it) cannot make the real message be consumed as a duplicate; anonymous
+    senders share one scope, the MessageID itself."""
+    if owner is None:
+        return message_id
+    return "peer:" + hashlib.sha256(f"{owner}\0{message_id}".encode()).hexdigest()
 
 
 class _AlreadyApplied(Exception):
@@ -380,13 +391,15 @@ class Invoker:
     def _not_applied_before(self, session: Any, messages: list[Incoming]) -> list[Incoming]:
         """The messages whose MessageID was not applied before (under another sequence: their sender sent them
         again after the destination forgot the first one), remembered as applied by this transaction."""
-        seen = self.store.applied_before(session, [m.message_id for m in messages])
-        for m in messages:
-            if m.message_id in seen:
+        info = self.node.receiver.info(messages[0].identifier)
+        keys = [applied_key(None if info is None else info.owner, m.message_id) for m in messages]
+        seen = self.store.applied_before(session, keys)
+        for m, key in zip(messages, keys):
+            if key in seen:
                 log.warning("message %s (%s #%d) was applied before, under another sequence; consumed, not "
                             "applied again", m.message_id, m.identifier, m.number)
-        fresh = [m for m in messages if m.message_id not in seen]
-        self.store.remember_applied(session, [m.message_id for m in fresh], time.time())
+        fresh = [m for m, key in zip(messages, keys) if key not in seen]
+        self.store.remember_applied(session, [key for key, m in zip(keys, messages) if key not in seen], time.time())
         return fresh
 
     def _write(self, session: Any, method: str, *args: Any) -> None:
