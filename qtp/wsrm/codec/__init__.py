@@ -8,14 +8,33 @@
 from qtp.wsrm.codec._batch import BATCH_CONTENT_TYPE, decode_batch, encode_batch
 from qtp.wsrm.codec._decode import DEFAULT_MAX_BYTES, DEFAULT_MAX_DEPTH, decode, parse_duration
 from qtp.wsrm.codec._encode import CheckedPayload, check_payload, default_action, encode, format_duration
-from qtp.wsrm.codec._envelope import Addressing, EncodingError, Envelope, InvalidMessage, SoapFault
-from qtp.wsrm.codec._names import COMBINATIONS, RM_NS, SOAP_NS, WSA_NS, SoapVersion, WsaVersion, action, anonymous
+from qtp.wsrm.codec._envelope import Addressing, EncodingError, Envelope, InvalidMessage, MakeConnection, SoapFault
+from qtp.wsrm.codec._names import (
+    COMBINATIONS,
+    MAKE_CONNECTION_ACTION,
+    MISSING_SELECTION,
+    RM_NS,
+    SOAP_NS,
+    UNSUPPORTED_SELECTION,
+    WSA_NS,
+    WSMC_ANONYMOUS,
+    WSMC_FAULT_ACTION,
+    WSMC_NS,
+    SoapVersion,
+    WsaVersion,
+    action,
+    anonymous,
+    mc_anonymous,
+    mc_id,
+)
 from qtp.wsrm.codec._schemas import SCHEMA_FILES, Validator
 
 __all__ = [
-    "BATCH_CONTENT_TYPE", "COMBINATIONS", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_DEPTH", "RM_NS", "SCHEMA_FILES", "SOAP_NS", "WSA_NS",
-    "Addressing", "CheckedPayload", "EncodingError", "Envelope", "InvalidMessage", "SoapFault", "SoapVersion",
+    "BATCH_CONTENT_TYPE", "COMBINATIONS", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_DEPTH", "MAKE_CONNECTION_ACTION",
+    "MISSING_SELECTION", "UNSUPPORTED_SELECTION", "WSMC_ANONYMOUS", "WSMC_FAULT_ACTION", "WSMC_NS", "RM_NS", "SCHEMA_FILES", "SOAP_NS", "WSA_NS",
+    "Addressing", "CheckedPayload", "EncodingError", "Envelope", "InvalidMessage", "MakeConnection", "SoapFault", "SoapVersion",
     "Validator",
     "WsaVersion", "action", "anonymous", "check_payload", "decode", "decode_batch", "default_action", "encode", "encode_batch", "format_duration",
+    "mc_anonymous", "mc_id",
     "parse_duration",
 ]

@@ -16,7 +16,7 @@ from qtp.wsrm.protocol import (
 from qtp.wsrm.codec._names import SoapVersion, WsaVersion
 
 
-__all__ = ["Addressing", "EncodingError", "Envelope", "InvalidMessage", "SoapFault"]
+__all__ = ["Addressing", "EncodingError", "Envelope", "InvalidMessage", "MakeConnection", "SoapFault"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +42,23 @@ class SoapFault:
 
 
 @dataclass(frozen=True, slots=True)
+class MakeConnection:
+    """A WS-MakeConnection 1.1 poll (the body of a one-way request): "answer this request with a message you
+    hold for this address and/or this sequence". ``address`` is a WS-MC anonymous URI
+    (``mc_anonymous(id)``); ``unsupported`` names (``{namespace}local``) the selection elements the decoder
+    found and qtp does not support (the receiver answers them with an UnsupportedSelection fault)."""
+
+    address: str | None = None
+    identifier: str | None = None
+    unsupported: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Envelope:
     """One SOAP message: versions, addressing, WS-RM headers, and a body.
 
     The body is a WS-RM protocol message, a ``SequenceFault`` (sent as a SOAP fault), a ``SoapFault`` (an
-    application's or a busy server's fault), or None, in which case ``payload`` (one serialised XML element)
+    application's or a busy server's fault), a WS-MC ``MakeConnection`` poll, or None, in which case ``payload`` (one serialised XML element)
     is the application's body, if any. Acknowledgements and AckRequested may ride on any message.
     """
 
@@ -57,5 +69,6 @@ class Envelope:
     sequence: Sequence | None = None
     acks: tuple[SequenceAcknowledgement, ...] = ()
     ack_requests: tuple[AckRequested, ...] = ()
-    body: RMBody | SequenceFault | SoapFault | None = None
+    body: RMBody | SequenceFault | SoapFault | MakeConnection | None = None
     payload: bytes | None = None
+    message_pending: bool | None = None  # WS-MC MessagePending header on a message returned to a poll

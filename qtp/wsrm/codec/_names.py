@@ -64,3 +64,24 @@ def anonymous(wsa: WsaVersion) -> str:
     if wsa is WsaVersion.WSA200408:
         return WSA_NS[wsa] + "/role/anonymous"
     return WSA_NS[wsa] + "/anonymous"
+
+
+# WS-MakeConnection 1.1: polling for messages by nodes that cannot listen (docs/messaging.md)
+WSMC_NS = "http://docs.oasis-open.org/ws-rx/wsmc/200702"
+WSMC_ANONYMOUS = WSMC_NS + "/anonymous?id="
+MAKE_CONNECTION_ACTION = WSMC_NS + "/MakeConnection"
+WSMC_FAULT_ACTION = WSMC_NS + "/fault"
+MISSING_SELECTION = f"{{{WSMC_NS}}}MissingSelection"
+UNSUPPORTED_SELECTION = f"{{{WSMC_NS}}}UnsupportedSelection"
+
+
+def mc_anonymous(identifier: str) -> str:
+    """The WS-MC anonymous URI of a polling endpoint named ``identifier`` (a URI, e.g. urn:uuid:...)."""
+    return WSMC_ANONYMOUS + identifier
+
+
+def mc_id(address: str | None) -> str | None:
+    """The id of a WS-MC anonymous URI, or None when ``address`` is not one."""
+    if address is None or not address.startswith(WSMC_ANONYMOUS) or len(address) == len(WSMC_ANONYMOUS):
+        return None
+    return address[len(WSMC_ANONYMOUS):]
