@@ -9,7 +9,22 @@ from pathlib import Path
 from hypothesis import strategies as st
 from lxml import etree
 
-from qtp.wsrm.codec import COMBINATIONS, Addressing, Envelope, SoapVersion, Validator, anonymous, default_action
+from qtp.wsrm.codec import (
+    COMBINATIONS,
+    MISSING_SELECTION,
+    SOAP_NS,
+    UNSUPPORTED_SELECTION,
+    Addressing,
+    Envelope,
+    MakeConnection,
+    SoapFault,
+    SoapVersion,
+    Validator,
+    WsaVersion,
+    anonymous,
+    default_action,
+    mc_anonymous,
+)
 from qtp.wsrm.protocol import (
     FAULT_VERSIONS,
     MAX_BATCH,
@@ -32,7 +47,9 @@ from qtp.wsrm.protocol import (
 from qtp.wsrm.protocol import _ranges as ranges
 
 SCHEMA_DIR = Path(__file__).resolve().parent / "data" / "wsrm" / "xsd"
-V11 = RMVersion.WSRM11
+V10, V11 = RMVersion.WSRM10, RMVersion.WSRM11
+S11, S12 = SoapVersion.SOAP11, SoapVersion.SOAP12
+W04, W05 = WsaVersion.WSA200408, WsaVersion.WSA200508
 APP_NS = "urn:example:orders"
 
 
@@ -68,6 +85,26 @@ durations = st.none() | st.integers(0, 10**11).map(lambda ms: ms / 1000)
 batches = st.none() | st.integers(1, MAX_BATCH)  # qtp's batching extension
 behaviors = st.none() | st.sampled_from(list(IncompleteSequenceBehavior))
 texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=60)
+polls = st.one_of(  # WS-MakeConnection: by address, by sequence, or both
+    st.builds(MakeConnection, identifiers.map(mc_anonymous), st.none()),
+    st.builds(MakeConnection, st.none(), identifiers),
+    st.builds(MakeConnection, identifiers.map(mc_anonymous), identifiers),
+)
+selections = st.lists(st.tuples(st.sampled_from(["", "urn:vendor:x", "http://a.example/s?q=1&r=%3C2%3E"]),
+                                st.from_regex(r"[A-Za-z_][A-Za-z0-9_.-]{0,15}", fullmatch=True)),
+                      max_size=3).map(lambda names: tuple("{%s}%s" % name for name in names))
+
+
+def receiver(soap: SoapVersion) -> str:
+    """The code Receiver as the decoder reads it back in ``soap`` (SOAP 1.1 calls it Server)."""
+    return f"{{{SOAP_NS[soap]}}}{'Receiver' if soap is SoapVersion.SOAP12 else 'Server'}"
+
+
+def wsmc_fault(soap: SoapVersion, unsupported: tuple[str, ...] | None = None) -> SoapFault:
+    """A WS-MakeConnection fault: MissingSelection, or UnsupportedSelection naming ``unsupported``."""
+    if unsupported is None:
+        return SoapFault(receiver(soap), MISSING_SELECTION, "The MakeConnection element has no selection")
+    return SoapFault(receiver(soap), UNSUPPORTED_SELECTION, "This selection is not supported", unsupported)
 
 
 @st.composite
@@ -126,8 +163,15 @@ def envelopes(draw: st.DrawFn) -> Envelope:
         AckRequested(i, draw(st.none() | numbers) if rm is not V11 else None)
         for i in draw(st.lists(identifiers, max_size=2))
     )
-    kind = draw(st.sampled_from(["body", "application", "acks", "requests", "last"]))
-    if kind == "body":
+    kinds = ["body", "application", "acks", "requests", "last"] + (["poll", "wsmc-fault"] if rm is V11 else [])
+    kind = draw(st.sampled_from(kinds))
+    if rm is V11:
+        base = dataclasses.replace(base, message_pending=draw(st.none() | st.booleans()))
+    if kind == "poll":
+        envelope = dataclasses.replace(base, body=draw(polls), acks=acks)
+    elif kind == "wsmc-fault":
+        envelope = dataclasses.replace(base, body=wsmc_fault(soap, draw(st.none() | selections)))
+    elif kind == "body":
         envelope = dataclasses.replace(base, body=draw(bodies(rm)), acks=acks)
     elif kind == "application":
         sequence = Sequence(draw(identifiers), draw(numbers))

@@ -1,4 +1,5 @@
-"""SOAP 1.1/1.2 envelopes for WS-RM 1.0 (with WS-Addressing 2004/08 or 2005/08) and WS-RM 1.1, with lxml.
+"""SOAP 1.1/1.2 envelopes for WS-RM 1.0 (with WS-Addressing 2004/08 or 2005/08) and WS-RM 1.1 (with
+WS-MakeConnection 1.1), with lxml.
 
 ``encode(envelope) -> bytes`` is strict; ``decode(data) -> Envelope`` is hardened and tolerant and raises
 ``InvalidMessage`` (a ``qtp.errors.WsrmFault`` carrying the wire fault code) for input it cannot use.
@@ -27,14 +28,14 @@ from qtp.wsrm.codec._names import (
     mc_anonymous,
     mc_id,
 )
-from qtp.wsrm.codec._schemas import SCHEMA_FILES, Validator
+from qtp.wsrm.codec._schemas import SCHEMA_FILES, WSMC_SCHEMA_FILE, Validator
 
 __all__ = [
     "BATCH_CONTENT_TYPE", "COMBINATIONS", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_DEPTH", "MAKE_CONNECTION_ACTION",
-    "MISSING_SELECTION", "UNSUPPORTED_SELECTION", "WSMC_ANONYMOUS", "WSMC_FAULT_ACTION", "WSMC_NS", "RM_NS", "SCHEMA_FILES", "SOAP_NS", "WSA_NS",
-    "Addressing", "CheckedPayload", "EncodingError", "Envelope", "InvalidMessage", "MakeConnection", "SoapFault", "SoapVersion",
-    "Validator",
-    "WsaVersion", "action", "anonymous", "check_payload", "decode", "decode_batch", "default_action", "encode", "encode_batch", "format_duration",
-    "mc_anonymous", "mc_id",
-    "parse_duration",
+    "MISSING_SELECTION", "RM_NS", "SCHEMA_FILES", "SOAP_NS", "UNSUPPORTED_SELECTION", "WSA_NS", "WSMC_ANONYMOUS",
+    "WSMC_FAULT_ACTION", "WSMC_NS", "WSMC_SCHEMA_FILE",
+    "Addressing", "CheckedPayload", "EncodingError", "Envelope", "InvalidMessage", "MakeConnection", "SoapFault",
+    "SoapVersion", "Validator", "WsaVersion",
+    "action", "anonymous", "check_payload", "decode", "decode_batch", "default_action", "encode", "encode_batch",
+    "format_duration", "mc_anonymous", "mc_id", "parse_duration",
 ]

@@ -9,6 +9,10 @@ Tolerant: blanks around numbers and identifiers, unknown extension elements and 
 ``xs:any ##other``), comments, unmerged or unsorted acknowledgement ranges, and either WS-Addressing
 version are all accepted. Unknown headers are ignored unless they carry mustUnderstand.
 
+WS-MakeConnection 1.1 (MakeConnection, MessagePending, its two faults) belongs to the WS-RM 1.1 family: a
+message using it is read as WS-RM 1.1 even when it holds no WS-RM element, and refused with WS-RM 1.0 or
+WS-Addressing 2004/08, as the encoder refuses to write it.
+
 Speed (benchmarks/wsrm_codec.py): every element name is compared as a precomputed ``{namespace}local``
 string, header blocks are dispatched by that name through a dict, children are looked up with lxml's
 C-level tag filter, and the acknowledgement ranges' attributes are read by compiled XPath expressions,
@@ -25,8 +29,20 @@ from typing import Any
 
 from lxml import etree
 
-from qtp.wsrm.codec._envelope import Addressing, Envelope, InvalidMessage, SoapFault
-from qtp.wsrm.codec._names import QTP_NS, RM_BY_NS, RM_NS, SOAP_BY_NS, SOAP_NS, WSA_BY_NS, SoapVersion, WsaVersion
+from qtp.wsrm.codec._envelope import Addressing, Envelope, InvalidMessage, MakeConnection, SoapFault
+from qtp.wsrm.codec._names import (
+    QTP_NS,
+    RM_BY_NS,
+    RM_NS,
+    SOAP_BY_NS,
+    SOAP_NS,
+    UNSUPPORTED_SELECTION,
+    WSA_BY_NS,
+    WSMC_NS,
+    WSMC_SUBCODES,
+    SoapVersion,
+    WsaVersion,
+)
 from qtp.wsrm.protocol import (
     MAX_BATCH,
     MAX_MESSAGE_NUMBER,
@@ -61,6 +77,7 @@ _DURATION = re.compile(
 )
 _FAULT_CODES = {code.value: code for code in FaultCode}
 _TRUE = {"1", "true"}
+_BOOLEAN = {"1": True, "true": True, "0": False, "false": False}  # xs:boolean
 SENDER = "Sender"
 
 _ENVELOPE = {f"{{{ns}}}Envelope": version for ns, version in SOAP_BY_NS.items()}
@@ -111,6 +128,7 @@ def _deeper_than(max_depth: int) -> etree.XPath:
 MAX_IDENTIFIER = 255  # sequence Identifiers, MessageID, RelatesTo: what the store's key columns hold
 MAX_ADDRESS = 2048    # an endpoint reference's Address
 MAX_ACTION = 1024     # the store's action column
+MAX_UNSUPPORTED = 16  # distinct unsupported WS-MC selections kept (and echoed in the fault) per MakeConnection
 
 
 def _split(tag: str) -> tuple[str, str]:
@@ -126,6 +144,14 @@ def _text(element: Any) -> str:
 
 def _bad(reason: str, code: str = SENDER) -> InvalidMessage:
     return InvalidMessage(code, reason)
+
+
+def _address(element: Any, what: str) -> str:
+    """The text of an Address element (perhaps empty), refused above MAX_ADDRESS characters."""
+    value = _text(element)
+    if len(value) > MAX_ADDRESS:
+        raise _bad(f"{what} has an Address of {len(value)} characters; at most {MAX_ADDRESS}")
+    return value
 
 
 def _identifier(element: Any, parent: Any) -> str:
@@ -154,7 +180,8 @@ def parse_duration(text: str) -> float:
 class _Reader:
     """One decode call: the versions the message used, and the headers read so far."""
 
-    __slots__ = ("soap", "rm", "tags", "wsa", "fault_code", "addressing", "sequence", "acks", "ack_requests")
+    __slots__ = ("soap", "rm", "tags", "wsa", "fault_code", "addressing", "sequence", "acks", "ack_requests", "wsmc",
+                 "message_pending")
 
     def __init__(self, soap: SoapVersion):
         self.soap = soap
@@ -166,12 +193,21 @@ class _Reader:
         self.sequence: Sequence | None = None
         self.acks: list[SequenceAcknowledgement] = []
         self.ack_requests: list[AckRequested] = []
+        self.wsmc = False
+        self.message_pending: bool | None = None
 
     def see_rm(self, version: RMVersion) -> None:
         if self.rm is not version:
             if self.rm is not None:
                 raise _bad("the message mixes WS-RM 1.0 and WS-RM 1.1 elements")
             self.rm, self.tags = version, _RM_TAGS[version]
+
+    def see_wsmc(self) -> None:
+        """A WS-MakeConnection element: the message is WS-RM 1.1 (see the module's docstring)."""
+        if self.rm is RMVersion.WSRM10:
+            raise _bad("WS-MakeConnection 1.1 goes with WS-RM 1.1, not WS-RM 1.0")
+        self.see_rm(RMVersion.WSRM11)
+        self.wsmc = True
 
     def see_wsa(self, version: WsaVersion) -> None:
         if self.wsa is not version:
@@ -223,9 +259,7 @@ class _Reader:
             version = _WSA_ADDRESS.get(child.tag)
             if version is not None:
                 self.see_wsa(version)
-                value = _text(child)
-                if len(value) > MAX_ADDRESS:
-                    raise _bad(f"{what} has an Address of {len(value)} characters; at most {MAX_ADDRESS}")
+                value = _address(child, what)
                 if value:
                     return value
         raise _bad(f"{what} has no Address")
@@ -312,8 +346,10 @@ def _envelope(reader: _Reader, root: Any) -> Envelope:
             raise _bad(f"the {key.replace('_', ' ')} has {len(value)} characters; at most {MAX_IDENTIFIER}")
     if len(reader.addressing.get("action") or "") > MAX_ACTION:
         raise _bad(f"the Action has more than {MAX_ACTION} characters")
+    if reader.wsmc and reader.wsa is WsaVersion.WSA200408:
+        raise _bad("WS-MakeConnection 1.1 goes with WS-Addressing 2005/08, not 2004/08")
     return Envelope(reader.soap, reader.rm, reader.wsa, Addressing(**reader.addressing), reader.sequence,
-                    tuple(reader.acks), tuple(reader.ack_requests), content, payload)
+                    tuple(reader.acks), tuple(reader.ack_requests), content, payload, reader.message_pending)
 
 
 def _header(reader: _Reader, header: Any) -> None:
@@ -331,8 +367,25 @@ def _header(reader: _Reader, header: Any) -> None:
             read, version = rm_header
             reader.see_rm(version)
             read(reader, block)
+        elif tag == _MESSAGE_PENDING:
+            _message_pending(reader, block)
         elif isinstance(tag, str) and (block.get(must_understand) or "").strip() in _TRUE:
             raise _bad(f"header {tag[:80]} is not understood", "MustUnderstand")
+
+
+_MESSAGE_PENDING = f"{{{WSMC_NS}}}MessagePending"
+
+
+def _message_pending(reader: _Reader, block: Any) -> None:
+    """WS-MC MessagePending; without its (optional) pending attribute it announces nothing: False."""
+    if reader.message_pending is not None:
+        raise _bad("more than one MessagePending header")
+    reader.see_wsmc()
+    text = block.get("pending")
+    pending = False if text is None else _BOOLEAN.get(text.strip())
+    if pending is None:
+        raise _bad(f"MessagePending's pending is not a boolean: {text[:40]!r}")
+    reader.message_pending = pending
 
 
 def _sequence(reader: _Reader, block: Any) -> None:
@@ -444,6 +497,11 @@ def _body(reader: _Reader, body: Any) -> tuple[Any, bytes | None]:
         if read is None:
             raise _bad(f"unsupported WS-RM body element {local[:40]}")
         return read(reader, element), None
+    if ns == WSMC_NS:
+        if local != "MakeConnection":
+            raise _bad(f"unsupported WS-MakeConnection body element {local[:40]}")
+        reader.see_wsmc()
+        return _make_connection(reader, element), None
     body.remove(element)  # detached, it keeps only the namespace declarations it uses
     return None, etree.tostring(element, with_tail=False)
 
@@ -500,6 +558,36 @@ _BODIES: dict[str, Callable[[_Reader, Any], Any]] = {
 }
 
 
+_MC_ADDRESS = f"{{{WSMC_NS}}}Address"
+
+
+def _make_connection(reader: _Reader, element: Any) -> MakeConnection:
+    """The WS-MC schema's Address, and a WS-RM 1.1 Identifier as the sequence selection (an extension element
+    there), at most once each and in any order; every other child element is a selection qtp does not support.
+
+    The WS-MC schema lets the Address and extension selections stand together (Sandesha2 sends a
+    wsrm:Identifier with the Address; the WS-I Reliable Secure Profile forbids the Identifier, which Metro
+    answers with UnsupportedSelection), so both are read and the runtime decides. A poll with no selection
+    decodes to ``MakeConnection(None, None)``, which the runtime answers with a MissingSelection fault."""
+    identifier_tag = reader.tags["Identifier"]
+    address = identifier = None
+    unsupported: dict[str, None] = {}
+    for child in element.iterchildren(tag=etree.Element):
+        if child.tag == _MC_ADDRESS:
+            if address is not None:
+                raise _bad("MakeConnection has more than one Address")
+            address = _address(child, "MakeConnection")
+            if not address:
+                raise _bad("MakeConnection has an empty Address")
+        elif child.tag == identifier_tag:
+            if identifier is not None:
+                raise _bad("MakeConnection has more than one Identifier")
+            identifier = _identifier(child, element)
+        elif len(unsupported) < MAX_UNSUPPORTED:
+            unsupported["{%s}%s" % _split(child.tag)] = None
+    return MakeConnection(address, identifier, tuple(unsupported))
+
+
 def _fault(reader: _Reader, fault: Any) -> SequenceFault | SoapFault:
     soap_ns = SOAP_NS[reader.soap]
     if reader.soap is SoapVersion.SOAP12:
@@ -521,11 +609,40 @@ def _fault(reader: _Reader, fault: Any) -> SequenceFault | SoapFault:
             reader.see_rm(RM_BY_NS[ns])
             rm_code = _FAULT_CODES[local]
     if rm_code is None:
-        clark = "{%s}%s" % code
-        return SoapFault(clark, None if subcode is None else "{%s}%s" % subcode, reason)
+        return _soap_fault(reader, code, subcode, reason, detail)
     identifier = None
     if detail is not None:
         for child in detail:
             if child.tag == reader.tags["Identifier"]:
                 identifier = _text(child) or None
     return SequenceFault(rm_code, identifier, reason)
+
+
+def _soap_fault(reader: _Reader, code: tuple[str, str], subcode: tuple[str, str] | None, reason: str,
+                detail: Any) -> SoapFault:
+    """A fault that is not WS-RM's. A WS-MC fault in SOAP 1.1 has its subcode as the faultcode; it is read back
+    as the code Server with that subcode, the code WS-MakeConnection 1.1 gives both of its faults."""
+    if reader.soap is SoapVersion.SOAP11 and "{%s}%s" % code in WSMC_SUBCODES:
+        code, subcode = (SOAP_NS[SoapVersion.SOAP11], "Server"), code
+    clark_subcode = None if subcode is None else "{%s}%s" % subcode
+    if clark_subcode not in WSMC_SUBCODES:
+        return SoapFault("{%s}%s" % code, clark_subcode, reason)
+    reader.see_wsmc()
+    unsupported = () if detail is None or clark_subcode != UNSUPPORTED_SELECTION else _unsupported(detail)
+    return SoapFault("{%s}%s" % code, clark_subcode, reason, unsupported)
+
+
+def _unsupported(detail: Any) -> tuple[str, ...]:
+    """The QNames of an UnsupportedSelection fault's Detail as {namespace}local names (Metro writes them in
+    that form already); an entry whose prefix is not declared is skipped."""
+    names = []
+    for entry in detail.iterchildren(UNSUPPORTED_SELECTION):
+        text = _text(entry)
+        if text.startswith("{"):
+            names.append(text)
+            continue
+        prefix, _, local = text.rpartition(":")
+        namespace = entry.nsmap.get(prefix or None)
+        if namespace is not None or not prefix:
+            names.append("{%s}%s" % (namespace or "", local))
+    return tuple(names)

@@ -1,8 +1,9 @@
 """Envelope -> bytes. Strict: anything the chosen versions cannot express raises ``EncodingError``.
 
 The writer emits the XML text directly under one set of prefixes declared on the Envelope (S, wsa,
-wsrm), every element in the order the schemas' sequences require; tests/test_wsrm_codec.py validates each
-kind of message in each version against the official schemas. Writing text instead of building an lxml
+wsrm; a WS-MakeConnection element declares wsmc itself), every element in the order the schemas' sequences
+require; tests/test_wsrm_codec.py and tests/test_wsmc_codec.py validate each kind of message in each version
+against the official schemas. Writing text instead of building an lxml
 tree first keeps qtp's cost near that of lxml merely serialising the same bytes (benchmarks/wsrm_codec.py):
 numbers are ints by construction, every string goes through ``_text`` (escaping, and refusing characters
 XML 1.0 cannot carry), and the application payload is checked with lxml to be one well-formed element
@@ -18,15 +19,20 @@ from typing import Any
 
 from lxml import etree
 
-from qtp.wsrm.codec._envelope import Addressing, EncodingError, Envelope, SoapFault
+from qtp.wsrm.codec._envelope import Addressing, EncodingError, Envelope, MakeConnection, SoapFault
 from qtp.wsrm.codec._names import (
     COMBINATIONS,
+    MAKE_CONNECTION_ACTION,
     MUST_UNDERSTAND_TRUE,
     QTP_NS,
     RM_NS,
     SOAP_NS,
+    UNSUPPORTED_SELECTION,
     WSA_FAULT_ACTION,
     WSA_NS,
+    WSMC_FAULT_ACTION,
+    WSMC_NS,
+    WSMC_SUBCODES,
     SoapVersion,
     WsaVersion,
     action,
@@ -62,6 +68,9 @@ _START = {
     for rm in (None, *RMVersion)
 }
 _CHECKED_PAYLOADS_MAX_BYTES = 16 * 1024
+_WSMC = f'xmlns:wsmc="{WSMC_NS}"'
+# {namespace}local: the namespace in the URI characters libxml2 accepts, the local name an NCName (roughly)
+_CLARK = re.compile(r"\{((?:[A-Za-z0-9._~:/?#@!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*)\}([^\W\d][\w.-]*)")
 
 
 def _text(value: str) -> str:
@@ -82,6 +91,10 @@ def format_duration(seconds: float) -> str:
 def default_action(envelope: Envelope) -> str:
     """The Action a WS-RM envelope must carry, from its body or, for a bare message, its headers."""
     rm, body = envelope.rm, envelope.body
+    if isinstance(body, MakeConnection):
+        return MAKE_CONNECTION_ACTION
+    if isinstance(body, SoapFault) and body.subcode in WSMC_SUBCODES:
+        return WSMC_FAULT_ACTION
     if rm is None:
         raise EncodingError("an envelope without WS-RM content needs an explicit Action")
     if isinstance(body, SequenceFault):
@@ -126,6 +139,8 @@ def encode(envelope: Envelope) -> bytes:
         _ack(w, ack)
     for request in envelope.ack_requests:
         _ack_requested(w, request)
+    if envelope.message_pending is not None:
+        w.out.append(f'<wsmc:MessagePending {_WSMC} pending="{"true" if envelope.message_pending else "false"}"/>')
     body_at = len(w.out)
     w.out.append("</S:Header><S:Body>")
     content = envelope.body
@@ -158,6 +173,15 @@ def _check_versions(envelope: Envelope) -> None:
         raise EncodingError("WS-RM headers need Envelope.rm")
     if isinstance(envelope.body, SequenceFault) and envelope.rm not in FAULT_VERSIONS[envelope.body.code]:
         raise EncodingError(f"{envelope.body.code.value} does not exist in WS-RM {envelope.rm}")
+    if _uses_wsmc(envelope) and (envelope.rm, envelope.wsa) != (RMVersion.WSRM11, WsaVersion.WSA200508):
+        raise EncodingError("WS-MakeConnection 1.1 goes with WS-RM 1.1 and WS-Addressing 2005/08, not WS-RM "
+                            f"{envelope.rm and envelope.rm.value} with WS-Addressing {envelope.wsa.value}")
+
+
+def _uses_wsmc(envelope: Envelope) -> bool:
+    body = envelope.body
+    return envelope.message_pending is not None or isinstance(body, MakeConnection) or (
+        isinstance(body, SoapFault) and body.subcode in WSMC_SUBCODES)
 
 
 def _addressing(w: _Writer, a: Addressing) -> None:
@@ -333,6 +357,21 @@ def _identifier_only(name: str) -> Callable[[_Writer, Any], None]:
     return write
 
 
+def _make_connection(w: _Writer, m: MakeConnection) -> None:
+    """wsmc:Address, then the sequence selection as a wsrm:Identifier (the order the WS-MC schema requires:
+    its Address, then elements of other namespaces)."""
+    if m.unsupported:
+        raise EncodingError("MakeConnection.unsupported lists selections a peer sent; qtp never sends them")
+    if not m.address and not m.identifier:
+        raise EncodingError("a MakeConnection needs an Address or an Identifier (else the peer answers "
+                            "MissingSelection)")
+    if "" in (m.address, m.identifier):
+        raise EncodingError("a MakeConnection's Address or Identifier is empty")
+    address = "" if m.address is None else f"<wsmc:Address>{_text(m.address)}</wsmc:Address>"
+    identifier = "" if m.identifier is None else f"<wsrm:Identifier>{_text(m.identifier)}</wsrm:Identifier>"
+    w.out.append(f"<wsmc:MakeConnection {_WSMC}>{address}{identifier}</wsmc:MakeConnection>")
+
+
 _BODY: dict[type, Callable[[_Writer, Any], None]] = {
     CreateSequence: _create_sequence,
     CreateSequenceResponse: _create_sequence_response,
@@ -340,6 +379,7 @@ _BODY: dict[type, Callable[[_Writer, Any], None]] = {
     CloseSequenceResponse: _identifier_only("CloseSequenceResponse"),
     TerminateSequence: _with_last_number("TerminateSequence", only_11=False),
     TerminateSequenceResponse: _identifier_only("TerminateSequenceResponse"),
+    MakeConnection: _make_connection,
 }
 
 
@@ -361,14 +401,46 @@ def _fault(w: _Writer, fault: SequenceFault, header_end: int) -> None:
 
 
 def _soap_fault(w: _Writer, fault: SoapFault) -> None:
-    """A fault that is not WS-RM's (an application's, or a busy server's): the code's local name decides
-    between Sender (SOAP 1.1: Client) and Receiver (SOAP 1.1: Server); subcodes are not written."""
+    """A fault that is not WS-RM's (an application's, a busy server's, or a WS-MakeConnection one): the code's
+    local name decides between Sender (SOAP 1.1: Client) and Receiver (SOAP 1.1: Server). Subcodes are written
+    for the WS-MC faults only (see ``_wsmc_fault``)."""
     sender = fault.code.rsplit("}", 1)[-1] in ("Sender", "Client")
     reason = _text(fault.reason)
+    declaration, subcode, detail = _wsmc_fault(fault, sender)
     if w.env.soap is SoapVersion.SOAP12:
         code = "S:Sender" if sender else "S:Receiver"
-        w.out.append(f'<S:Fault><S:Code><S:Value>{code}</S:Value></S:Code><S:Reason><S:Text xml:lang="en">'
-                     f"{reason}</S:Text></S:Reason></S:Fault>")
+        sub = "" if subcode is None else f"<S:Subcode><S:Value>{subcode}</S:Value></S:Subcode>"
+        detail = detail and f"<S:Detail>{detail}</S:Detail>"
+        w.out.append(f'<S:Fault{declaration}><S:Code><S:Value>{code}</S:Value>{sub}</S:Code><S:Reason>'
+                     f'<S:Text xml:lang="en">{reason}</S:Text></S:Reason>{detail}</S:Fault>')
         return
-    code = "S:Client" if sender else "S:Server"
-    w.out.append(f"<S:Fault><faultcode>{code}</faultcode><faultstring>{reason}</faultstring></S:Fault>")
+    code = subcode or ("S:Client" if sender else "S:Server")
+    detail = detail and f"<detail>{detail}</detail>"
+    w.out.append(f"<S:Fault{declaration}><faultcode>{code}</faultcode><faultstring>{reason}</faultstring>"
+                 f"{detail}</S:Fault>")
+
+
+def _wsmc_fault(fault: SoapFault, sender: bool) -> tuple[str, str | None, str]:
+    """The wsmc declaration, subcode and Detail content of a WS-MakeConnection fault; ("", None, "") for any
+    other fault. WS-MakeConnection 1.1 section 4 gives both faults the code Receiver; SOAP 1.1 has no
+    subcodes, so there the subcode is the faultcode (as Metro and Sandesha2 write it). An UnsupportedSelection
+    fault's Detail holds one wsmc:UnsupportedSelection QName per unsupported element."""
+    if fault.unsupported and fault.subcode != UNSUPPORTED_SELECTION:
+        raise EncodingError("only an UnsupportedSelection fault names unsupported selections")
+    if fault.subcode not in WSMC_SUBCODES:
+        return "", None, ""
+    if sender:
+        raise EncodingError("the WS-MakeConnection faults have the code Receiver (WS-MakeConnection 1.1, 4)")
+    detail = "".join(map(_unsupported_selection, fault.unsupported))
+    return f" {_WSMC}", "wsmc:" + fault.subcode.rpartition("}")[2], detail
+
+
+def _unsupported_selection(name: str) -> str:
+    match = _CLARK.fullmatch(name)
+    if match is None:
+        raise EncodingError(f"unsupported selection {name[:80]!r} is not a {{namespace}}local name (namespace: "
+                            "a URI in ASCII)")
+    namespace, local = match.groups()
+    if not namespace:
+        return f"<wsmc:UnsupportedSelection>{local}</wsmc:UnsupportedSelection>"
+    return f'<wsmc:UnsupportedSelection xmlns:u="{_text(namespace)}">u:{local}</wsmc:UnsupportedSelection>'

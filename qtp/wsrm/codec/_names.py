@@ -73,6 +73,7 @@ MAKE_CONNECTION_ACTION = WSMC_NS + "/MakeConnection"
 WSMC_FAULT_ACTION = WSMC_NS + "/fault"
 MISSING_SELECTION = f"{{{WSMC_NS}}}MissingSelection"
 UNSUPPORTED_SELECTION = f"{{{WSMC_NS}}}UnsupportedSelection"
+WSMC_SUBCODES = (MISSING_SELECTION, UNSUPPORTED_SELECTION)
 
 
 def mc_anonymous(identifier: str) -> str:
