@@ -30,7 +30,7 @@ from pathlib import Path
 
 from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres, free_port
 from qtp.testing.lossy_proxy import LossyProxy
-from qtp.testing.nodes import NodeProcess, Pair, client_schema, rows, server_schema
+from qtp.testing.nodes import NodeProcess, Pair, client_schema, listening_ports, rows, server_schema
 
 ABORT_EVERY = 13
 FAILPOINTS = {
@@ -68,8 +68,9 @@ def _pair(args: argparse.Namespace, pg: EmbeddedPostgres, maria: EmbeddedMariaDB
         stores = {"client_store": server_db.create_database(f"cs_{tag}"),
                   "server_store": client_db.create_database(f"ss_{tag}")}
     return Pair(client_app, server_app, reply=args.reply, mode=args.mode, wsrm=args.wsrm, soap=args.soap,
-                proxy_port=free_port(), back_proxy_port=free_port(), limits="max_attempts = 1000",
-                secret=secrets.token_urlsafe(32) if args.auth else None, **stores)
+                proxy_port=free_port(), back_proxy_port=None if args.no_listen else free_port(),
+                limits="max_attempts = 1000", secret=secrets.token_urlsafe(32) if args.auth else None,
+                client_listens=not args.no_listen, **stores)
 
 
 def _count(url: str, query: str) -> int:
@@ -180,16 +181,18 @@ def run(args: argparse.Namespace) -> int:
     c = Campaign(args, out, random.Random(args.seed))
     args.began = time.monotonic()
     print(f"e2e campaign: mode {args.mode}, {args.messages} messages, {args.kills} kills, loss {args.loss}, "
-          f"seed {args.seed}, {args.pair}, stores {args.store}, {'request-reply' if args.reply else 'one-way'}",
+          f"seed {args.seed}, {args.pair}, stores {args.store}, {'request-reply' if args.reply else 'one-way'}"
+          f"{', client polls (no endpoint)' if args.no_listen else ''}",
           flush=True)
     pg, maria = _databases(Path(args.root))
     pair = _pair(args, pg, maria, tag)
     client_config, server_config = pair.write(out)
     loss = dict(drop_request=args.loss / 2, drop_response=args.loss / 2, duplicate_request=args.loss / 2,
                 delay=0.2, delay_ms=(0, 30))
-    proxies = [LossyProxy(f"http://127.0.0.1:{pair.server_port}", port=pair.proxy_port, seed=args.seed, **loss).start(),
-               LossyProxy(f"http://127.0.0.1:{pair.client_port}", port=pair.back_proxy_port, seed=args.seed + 1,
-                          **loss).start()]
+    proxies = [LossyProxy(f"http://127.0.0.1:{pair.server_port}", port=pair.proxy_port, seed=args.seed, **loss).start()]
+    if pair.back_proxy_port is not None:  # a client without an endpoint is never called: it polls
+        proxies.append(LossyProxy(f"http://127.0.0.1:{pair.client_port}", port=pair.back_proxy_port,
+                                  seed=args.seed + 1, **loss).start())
     nodes = {"server": NodeProcess(server_config, out / "server.log"),
              "client": NodeProcess(client_config, out / "client.log",
                                    {"QTP_TEST_SEND": str(args.messages), "QTP_TEST_ABORT_EVERY": str(ABORT_EVERY)})}
@@ -197,6 +200,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         nodes["server"].start()
         nodes["client"].start()
+        if args.no_listen:
+            assert listening_ports(nodes["client"].proc.pid) == [], "the client without an endpoint bound a port"
+            print("  the client listens on no port (checked in /proc)", flush=True)
         _run_kills(c, pair, nodes, servers)
         drained = _drain(c, pair, nodes, proxies)
     finally:
@@ -245,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", choices=["colocated", "other"], default="colocated",
                         help="queues in each node's application database, or in the other database (2PC)")
     parser.add_argument("--one-way", dest="reply", action="store_false", help="no replies")
+    parser.add_argument("--no-listen", action="store_true",
+                        help="the client has no endpoint and binds no port: it polls for replies (WS-MakeConnection)")
     parser.add_argument("--auth", action="store_true",
                         help="the nodes authenticate each other (signed requests, anonymous refused)")
     parser.add_argument("--wsrm", default="1.1")

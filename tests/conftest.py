@@ -49,3 +49,23 @@ def pg_db(pg_server, request):
 def maria_db(maria_server, request):
     """Factory: ``maria_db("a")`` creates a fresh MariaDB database and returns its URL."""
     return lambda tag="db": maria_server.create_database(_db_name(request, tag))
+
+
+@pytest.fixture
+def run_pair(tmp_path):
+    """Factory: run_pair(pair, send, rate) -> (client, server) node processes, started (server first), the
+    client sending orders 1..send; both killed when the test ends."""
+    from qtp.testing.nodes import pair_processes
+
+    started = []
+
+    def start(pair, send: int, rate: float = 0.0):
+        client, server = pair_processes(pair, tmp_path, send, rate)
+        started.extend([server, client])
+        server.start()
+        client.start()
+        return client, server
+
+    yield start
+    for node in started:
+        node.kill()

@@ -32,3 +32,20 @@ def test_small_xa_campaign_is_exactly_once(tmp_path):
     # the campaign's own servers are stopped, not left behind for the rest of the suite
     assert not EmbeddedPostgres(tmp_path / "db" / "pg").running()
     assert not EmbeddedMariaDB(tmp_path / "db" / "mariadb").running()
+
+
+def test_small_xa_campaign_with_a_client_that_cannot_listen_is_exactly_once(tmp_path):
+    """Issue 23: the client has no endpoint (the campaign checks it binds no port) and fetches its replies
+    with WS-MakeConnection through the lossy proxy; kills of both nodes and both databases; authenticated."""
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(CAMPAIGN), "--mode", "xa", "--messages", "200", "--kills", "10",
+                           "--loss", "0.1", "--seed", "23", "--no-listen", "--auth", "--root", str(tmp_path / "db"),
+                           "--out", str(out), "--drain-s", "300", "--stop-databases"],
+                          capture_output=True, text=True, timeout=1500)
+    assert "the client listens on no port" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "exactly-once", done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["requests"]["ok"] == 200 and result["replies"]["ok"] == 200, result
+    assert all(result["requests"][c] == 0 and result["replies"][c] == 0 for c in ("lost", "duplicated", "unexpected"))
+    assert "polls for replies as http://docs.oasis-open.org/ws-rx/wsmc/200702/anonymous?id=" in \
+        (out / "client.log").read_text()

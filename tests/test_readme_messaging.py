@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import re
 import time
+import tomllib
 from pathlib import Path
+
+import pytest
 
 import qtp
 from qtp.embedded import free_port
@@ -26,9 +29,12 @@ def _blocks() -> dict[str, str]:
     return blocks
 
 
-def test_readme_example_sends_and_applies_one_order(pg_db, maria_db, tmp_path, monkeypatch):
+@pytest.mark.parametrize("client_toml", ["client.toml", "client-polling.toml"])
+def test_readme_example_sends_and_applies_one_order(pg_db, maria_db, tmp_path, monkeypatch, client_toml):
+    """With client-polling.toml the same client.py runs without an endpoint (no HTTP server): the server's
+    reply is fetched with WS-MakeConnection and acknowledged, so nothing is left waiting at the server."""
     blocks = _blocks()
-    assert set(blocks) >= {"client.py", "shop_server.py", "client.toml", "server.toml"}
+    assert set(blocks) >= {"client.py", "shop_server.py", "client.toml", "client-polling.toml", "server.toml"}
     pg_url, maria_url = pg_db("client"), maria_db("server")
     create(pg_url, "CREATE TABLE orders (id int PRIMARY KEY)")
     create(maria_url, "CREATE TABLE applied (order_id int NOT NULL)")
@@ -40,20 +46,32 @@ def test_readme_example_sends_and_applies_one_order(pg_db, maria_db, tmp_path, m
             text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}")
         return text
 
-    (tmp_path / "client.toml").write_text(local(blocks["client.toml"]))
+    (tmp_path / "client.toml").write_text(local(blocks[client_toml]))
     (tmp_path / "server.toml").write_text(local(blocks["server.toml"]))
+    polling = "endpoint" not in tomllib.loads(blocks[client_toml])["node"]
+    assert polling is (client_toml == "client-polling.toml")
     monkeypatch.chdir(tmp_path)
     server: dict = {}
     client: dict = {}
     exec(compile(blocks["shop_server.py"], "README:shop_server.py", "exec"), server)
     try:
         exec(compile(blocks["client.py"], "README:client.py", "exec"), client)
+
+        def waiting() -> bool:  # the order not applied yet, or (polling) its reply not yet fetched
+            return rows(maria_url, "SELECT COUNT(*) FROM applied")[0][0] < 1 or \
+                (polling and rows(maria_url, "SELECT COUNT(*) FROM qtp_rm_outgoing")[0][0] > 0)
+
         deadline = time.monotonic() + 30
-        while rows(maria_url, "SELECT COUNT(*) FROM applied")[0][0] < 1 and time.monotonic() < deadline:
+        while waiting() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert rows(maria_url, "SELECT order_id FROM applied") == [(42,)]
         assert rows(pg_url, "SELECT id FROM orders") == [(42,)]
         assert client["tx"].outcome is qtp.Outcome.COMMITTED
+        if polling:
+            node = client["tm"].node
+            assert node.endpoint is None and node._server is None and node.mc_address.startswith(
+                "http://docs.oasis-open.org/ws-rx/wsmc/200702/anonymous?id=")
+            assert rows(maria_url, "SELECT COUNT(*) FROM qtp_rm_outgoing")[0][0] == 0  # fetched, acknowledged
     finally:
         if "tm" in client:
             client["tm"].close()

@@ -26,7 +26,15 @@ import requests
 import sqlalchemy
 
 from qtp.errors import ConfigurationError, TransportError
-from qtp.testing.nodes import NodeProcess, Pair, check_exactly_once, client_schema, rows, server_schema, wait_until
+from qtp.testing.nodes import (
+    NodeProcess,
+    Pair,
+    check_exactly_once,
+    client_schema,
+    rows,
+    server_schema,
+    wait_until,
+)
 from qtp.wsrm.codec import (
     Addressing,
     Envelope,
@@ -94,10 +102,8 @@ def trap():
 
 
 @pytest.fixture
-def hostile(request, tmp_path, pg_db, maria_db, trap):
+def hostile(pg_db, maria_db, trap, run_pair):
     """Factory: hostile(send=N, reply=..., limits=..., rate=...) -> (pair, client, server), both running."""
-    started: list[NodeProcess] = []
-
     def make(send: int, reply: bool = False, limits: str = "", rate: float = 0.0, acks_to: str = "anonymous"):
         client_app, server_app = pg_db("client"), maria_db("server")
         client_schema(client_app)
@@ -105,18 +111,10 @@ def hostile(request, tmp_path, pg_db, maria_db, trap):
         mallory = f'\n[peers.mallory]\nendpoint = "{trap.url}"\nsecret = "{MALLORY}"\n'
         pair = Pair(client_app, server_app, reply=reply, limits=limits, secret=SECRET, acks_to=acks_to,
                     server_extra=mallory, client_extra=mallory)
-        client_config, server_config = pair.write(tmp_path)
-        server = NodeProcess(server_config, tmp_path / "server.log")
-        client = NodeProcess(client_config, tmp_path / "client.log",
-                             {"QTP_TEST_SEND": str(send), "QTP_TEST_ABORT_EVERY": "0", "QTP_TEST_RATE": str(rate)})
-        started.extend([server, client])
-        server.start()
-        client.start()
+        client, server = run_pair(pair, send, rate)
         return pair, client, server
 
-    yield make
-    for node in started:
-        node.kill()
+    return make
 
 
 def _env(body=None, message_id: str | None = None, reply_to: str = ANON, **kw) -> Envelope:

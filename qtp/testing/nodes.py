@@ -69,6 +69,7 @@ class Pair:
     secret: str | None = None         # both nodes authenticate each other with it and take nothing anonymous
     server_extra: str = ""            # more TOML for the server ([peers.*] of other clients, ...)
     client_extra: str = ""
+    client_listens: bool = True       # False: the client has no endpoint, binds no port, polls (WS-MakeConnection)
 
     def __post_init__(self) -> None:
         self.server_port = self.server_port or free_port()
@@ -86,13 +87,14 @@ wsrm = "{self.wsrm}"
 soap = "{self.soap}"
 reply = {str(self.reply).lower()}
 acks_to = "{self.acks_to}"
-{self.client_extra}''', advertised=self.back_proxy_port)
+{self.client_extra}''', advertised=self.back_proxy_port, listens=self.client_listens)
         server = _toml("server", self.server_app, self.server_store, self.server_port, self.mode, self.limits,
                        folder, self.server_extra)
         if self.secret is not None:
             client += _peer(node_id("server", folder), f"http://127.0.0.1:{peer}/rm", self.secret)
             server += _peer(node_id("client", folder),
-                            f"http://127.0.0.1:{self.back_proxy_port or self.client_port}/rm", self.secret)
+                            f"http://127.0.0.1:{self.back_proxy_port or self.client_port}/rm"
+                            if self.client_listens else None, self.secret)
             client = client.replace("\n[node]\n", "\n[node]\nallow_anonymous = false\n", 1)
             server = server.replace("\n[node]\n", "\n[node]\nallow_anonymous = false\n", 1)
         (folder / "client.toml").write_text(client)
@@ -104,20 +106,20 @@ def node_id(role: str, folder: Path) -> str:
     return f"{role}-{folder.name[-20:].replace('_', '-')}"
 
 
-def _peer(name: str, endpoint: str, secret: str) -> str:
-    return f'\n[peers.{name}]\nendpoint = "{endpoint}"\nsecret = "{secret}"\n'
+def _peer(name: str, endpoint: str | None, secret: str) -> str:
+    address = f'endpoint = "{endpoint}"\n' if endpoint else ""
+    return f'\n[peers.{name}]\n{address}secret = "{secret}"\n'
 
 
 def _toml(role: str, app: str, store: str | None, port: int, mode: str, limits: str, folder: Path,
-          channels: str, advertised: int | None = None) -> str:
+          channels: str, advertised: int | None = None, listens: bool = True) -> str:
     store_resource = f'\n[resources.store]\nurl = "{store}"\n' if store else ""
+    address = f'endpoint = "http://127.0.0.1:{advertised or port}/rm"\nlisten = "127.0.0.1:{port}"\n' if listens else ""
     return f'''
 [node]
 id = "{node_id(role, folder)}"
 log_dir = "{folder / 'logs'}"
-endpoint = "http://127.0.0.1:{advertised or port}/rm"
-listen = "127.0.0.1:{port}"
-store = "{'store' if store else 'app'}"
+{address}store = "{'store' if store else 'app'}"
 mode = "{mode}"
 
 [resources.app]
@@ -148,12 +150,13 @@ class NodeProcess:
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
         text = config.read_text()
-        self.port = int(next(line for line in text.splitlines()
-                             if line.startswith("listen")).rsplit(":", 1)[1].strip('"'))
+        listen = next((line for line in text.splitlines() if line.startswith("listen")), None)
+        self.port = None if listen is None else int(listen.rsplit(":", 1)[1].strip('"'))  # None: no endpoint
         self.scheme = "https" if "\ntls_cert" in text else "http"
 
     def start(self, timeout: float = 60.0) -> "NodeProcess":
         env = dict(os.environ, QTP_TEST_CONFIG=str(self.config), **self.env)
+        begin = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "qtp", "serve", "--app", self.app],
                                          env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -161,6 +164,13 @@ class NodeProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"node {self.config.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            if self.port is None:  # no endpoint to ask: started once it says so
+                with open(self.log, "rb") as out:
+                    out.seek(begin)
+                    if b"qtp serve: node" in out.read():
+                        return self
+                time.sleep(0.1)
+                continue
             try:
                 if requests.get(f"{self.scheme}://127.0.0.1:{self.port}/health", timeout=1,
                                 verify=False).status_code == 200:
@@ -191,6 +201,35 @@ class NodeProcess:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def pair_processes(pair: Pair, folder: Path, send: int, rate: float = 0.0) -> tuple["NodeProcess", "NodeProcess"]:
+    """The pair's two node processes (not started), its configs written to ``folder``: the client sends
+    orders 1..``send`` (``rate`` per second, 0: at once), none of them aborted."""
+    client_config, server_config = pair.write(folder)
+    server = NodeProcess(server_config, folder / "server.log")
+    client = NodeProcess(client_config, folder / "client.log",
+                         {"QTP_TEST_SEND": str(send), "QTP_TEST_ABORT_EVERY": "0", "QTP_TEST_RATE": str(rate)})
+    return client, server
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The TCP ports process ``pid`` listens on (its sockets in LISTEN state, from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.append(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def counter(url: str, name: str) -> float | None:

@@ -45,6 +45,18 @@ class _Channels(Collector):
             yield family
 
 
+class _Polling:
+    def __init__(self, node_id: str, waiting: Callable[[], dict[tuple[str | None, str], int]]):
+        self.node_id, self.waiting = node_id, waiting
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("qtp_polling_client_messages", "Messages held for a client that polls with "
+                                   "WS-MakeConnection (peer: its name, or anonymous)", labels=["node", "peer", "client"])
+        for (peer, client), count in sorted(self.waiting().items(), key=lambda kv: (kv[0][0] or "", kv[0][1])):
+            family.add_metric([self.node_id, peer or "anonymous", client[:200]], count)
+        yield family
+
+
 class _Bound:
     """A labelled counter with the node's label filled in: ``refused.labels(reason=...).inc()``."""
 
@@ -94,8 +106,16 @@ class Metrics:
                           "(another peer's sequence), create (CreateSequence refused), unknown_action, gap, "
                           "peer_backlog", labelnames=["node", "reason"], registry=self.registry)
         self.refused = _Bound(refused, node_id)
+        polls = Counter("qtp_polls", "WS-MakeConnection polls: sent (by a node without an endpoint); answered "
+                        "with a message, empty or fault (by a serving node)", labelnames=["node", "result"],
+                        registry=self.registry)
+        self.polls = _Bound(polls, node_id)
         if channel_stats is not None:
             self.registry.register(_Channels(node_id, channel_stats))
+
+    def watch_polling_clients(self, waiting: Callable[[], dict[tuple[str | None, str], int]]) -> None:
+        """``qtp_polling_client_messages{peer, client}``: messages held for each client that polls."""
+        self.registry.register(_Polling(self.node_id, waiting))
 
     def transmitted(self, channel: str, messages: int, retransmitted: int) -> None:
         """One request of ``channel`` carried ``messages`` application messages, ``retransmitted`` of them again."""

@@ -31,11 +31,12 @@ from urllib.parse import urlsplit
 import sqlalchemy
 
 from qtp.errors import BacklogFullError, ConfigurationError
-from qtp.wsrm.codec import Addressing, Envelope, WsaVersion, anonymous, check_payload
+from qtp.wsrm.codec import Addressing, Envelope, WsaVersion, anonymous, check_payload, mc_id
 from qtp.wsrm.codec._names import action as rm_action
 from qtp.wsrm.protocol import RMVersion, SequenceAcknowledgement
 from qtp.wsrm.runtime._endpoint import Endpoint
 from qtp.wsrm.runtime._invoker import BatchHandler, Invoker, Message, _Batch
+from qtp.wsrm.runtime._mailbox import Mailbox, Poller, node_address
 from qtp.wsrm.runtime._metrics import Metrics
 from qtp.wsrm.runtime._receiver import Receiver, new_message_id
 from qtp.wsrm.runtime._sender import Sender
@@ -77,6 +78,10 @@ class Node:
         self.sender = Sender(self)
         self.metrics = Metrics(manager.node_id, self.receiver.open_sequences, self.invoker.backlog,
                                self.channel_stats)
+        self.mailbox = Mailbox(self)
+        self.metrics.watch_polling_clients(self.mailbox.waiting)
+        # without an endpoint, replies are offered at this WS-MakeConnection address and fetched by polling
+        self.mc_address = node_address(manager.node_id) if self.endpoint is None else None
         self.wsgi = Endpoint(self)
         self.started = False
         self._stopping = threading.Event()
@@ -258,6 +263,10 @@ class Node:
         self._spawn(self._maintain, "qtp-maintenance")
         if self.endpoint is not None:
             self._serve_http()
+        else:
+            poller = Poller(self, self.mc_address or "")
+            for peer in poller.peers():
+                self._spawn(lambda peer=peer: poller.run(peer, self._stopping), "qtp-poll")
         self.started = True
         log.info("node %s started (endpoint %s, channels %s)", self.manager.node_id, self.endpoint,
                  sorted(self.channels))
@@ -313,10 +322,14 @@ class Node:
         """Acknowledgements for a sequence whose AcksTo is addressable: POST them there."""
         assert info.acks_to is not None
         wsa = request.wsa or WsaVersion.WSA200508
+        client = mc_id(info.acks_to)
         rm = request.rm or RMVersion.WSRM11
         envelope = Envelope(soap=request.soap, rm=rm, wsa=wsa, acks=tuple(acks), addressing=Addressing(
             action=rm_action(rm, "SequenceAcknowledgement"), to=info.acks_to, message_id=f"urn:uuid:{uuid.uuid4()}",
             reply_to=anonymous(wsa)))
+        if client is not None:  # a peer that cannot listen: it fetches them with MakeConnection
+            self.mailbox.hold(info.owner, client, envelope)
+            return
 
         def post() -> None:
             try:

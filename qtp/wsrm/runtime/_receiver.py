@@ -27,7 +27,18 @@ from typing import TYPE_CHECKING, Any
 
 from qtp.coordinator.failpoints import failpoint
 from qtp.errors import MessagingError
-from qtp.wsrm.codec import Addressing, Envelope, SoapFault, WsaVersion, anonymous, default_action
+from qtp.wsrm.codec import (
+    Addressing,
+    Envelope,
+    WSMC_FAULT_ACTION,
+    WSMC_NS,
+    MakeConnection,
+    SoapFault,
+    WsaVersion,
+    anonymous,
+    default_action,
+    mc_id,
+)
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION
 from qtp.wsrm.protocol import (
     AcceptMessage,
@@ -159,6 +170,8 @@ class Receiver:
             if foreign and env.body is None and env.sequence is None and not env.ack_requests:
                 return self._refuse(env, caller, foreign)
         body = env.body
+        if isinstance(body, MakeConnection):  # a peer that cannot listen fetches what we hold for it
+            return self.node.mailbox.answer(env, body, caller)
         if isinstance(body, CreateSequence):
             return self._create(env, body, now, caller)
         if env.sequence is not None:
@@ -219,6 +232,8 @@ class Receiver:
         return self.fault(env, SoapFault("Sender", None, "this sequence belongs to another peer"), 403)
 
     def _may_name(self, caller: str | None, address: str) -> bool:
+        if mc_id(address) is not None:  # nothing is sent there: held for the caller's polls
+            return True
         security = self.node.settings.security
         if caller is not None:
             peer = security.peers.get(caller)
@@ -598,6 +613,8 @@ class Receiver:
                          addressing=self._reply_addressing(env, ""))
         if isinstance(fault, SequenceFault) and env.rm is not None:
             act = default_action(reply)
+        elif isinstance(fault, SoapFault) and (fault.subcode or "").startswith(f"{{{WSMC_NS}}}"):
+            act = WSMC_FAULT_ACTION
         else:
             act = WSA_FAULT_ACTION[env.wsa or WsaVersion.WSA200508]
         reply = replace(reply, addressing=replace(reply.addressing, action=act))

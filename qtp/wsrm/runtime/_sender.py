@@ -53,6 +53,7 @@ from qtp.wsrm.codec import (
     decode,
     default_action,
     encode_batch,
+    mc_id,
 )
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION, action
 from qtp.wsrm.protocol import (
@@ -523,7 +524,8 @@ class Sender:
         if isinstance(a, SendCreateSequence):
             offer = None
             if a.offer_identifier is not None:
-                offer = Offer(a.offer_identifier, endpoint=self.node.endpoint if rm is RMVersion.WSRM11 else None)
+                own = self.node.endpoint or self.node.mc_address  # no endpoint: replies fetched by polling
+                offer = Offer(a.offer_identifier, endpoint=own if rm is RMVersion.WSRM11 else None)
             channel = self.node.channels.get(channel_name(info.route))
             acks_to = anonymous(_WSA[info.wsa])
             if channel is not None and channel.acks_to == "endpoint" and self.node.endpoint:
@@ -561,6 +563,11 @@ class Sender:
 
     def _exchange(self, key: str, info: SourceInfo, envelopes: Envelope | list[Envelope]) -> bool:
         """POST one envelope, or several as a qtp batch; act on the answer. True when the peer answered."""
+        client = mc_id(info.peer)
+        if client is not None:  # a peer that cannot listen: held until it polls (WS-MakeConnection)
+            for envelope in [envelopes] if isinstance(envelopes, Envelope) else envelopes:
+                self.node.mailbox.hold(info.owner, client, envelope, key)
+            return False
         transport = self.node.transport
         try:
             if isinstance(envelopes, Envelope) or len(envelopes) == 1:
@@ -628,6 +635,11 @@ class Sender:
         key = self.key_of(identifier)
         if key is not None:
             self.event(key, event)
+
+    def unacknowledged(self, key: str | None, number: int | None) -> bool:
+        """Message ``number`` of our sequence ``key`` is sent and not yet acknowledged."""
+        machine = self._machines.get(key or "")
+        return machine is not None and any(n == number for n, *_ in machine.record.pending)
 
     def knows(self, identifier: str) -> bool:
         """An outbound sequence (or an offered route) of ours has this identifier."""

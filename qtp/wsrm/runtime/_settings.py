@@ -66,6 +66,9 @@ class Limits:
       refused before it is stored (a sender within its window never comes near it).
     - ``max_response_bytes``: a peer's answer longer than this is not read (the request counts as failed).
     - ``http_idle_timeout``: seconds an idle or slow HTTP connection is kept before it is closed.
+    - ``poll_interval_min`` / ``poll_interval_max``: a node without an endpoint polls its reply channels'
+      peers with WS-MakeConnection at once while they say more is waiting, ``poll_interval_min`` after a
+      message, and backs off (doubling) to ``poll_interval_max`` while idle: the idle reply latency.
     """
 
     max_request_bytes: int = 4 * 1024 * 1024
@@ -95,6 +98,8 @@ class Limits:
     max_gap: int = 4096
     max_response_bytes: int = 4 * 1024 * 1024
     http_idle_timeout: float = 30.0
+    poll_interval_min: float = 0.05
+    poll_interval_max: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -249,7 +254,8 @@ def check(settings: NodeSettings) -> None:
             f"[limits] dedup_retention ({limits.dedup_retention:g} s) must be longer than inactivity_timeout + "
             f"ended_retention ({limits.inactivity_timeout + limits.ended_retention:g} s): a destination forgets "
             "a sequence after those, and a message its sender sends again must still be recognised")
-    if settings.store is None and settings.mode != "memory" and settings.endpoint is not None:
+    receives = settings.endpoint is not None or any(c.reply for c in settings.channels.values())
+    if settings.store is None and settings.mode != "memory" and receives:
         raise ConfigurationError("[node] store = \"RESOURCE\" is needed to receive messages in mode "
                                  f"{settings.mode!r} (or set [node] mode = \"memory\")")
     security = settings.security
@@ -262,6 +268,12 @@ def check(settings: NodeSettings) -> None:
         raise ConfigurationError("[node] tls_client_ca asks peers for client certificates, which needs TLS: give "
                                  "tls_cert and tls_key")
     for channel in settings.channels.values():
-        if (channel.reply or channel.acks_to == "endpoint") and settings.endpoint is None:
-            raise ConfigurationError(f"[channels.{channel.name}] reply = true and acks_to = \"endpoint\" need "
-                                     "[node] endpoint: replies and acknowledgements come back to it")
+        if channel.acks_to == "endpoint" and settings.endpoint is None:
+            raise ConfigurationError(f"[channels.{channel.name}] acks_to = \"endpoint\" needs [node] endpoint: "
+                                     "acknowledgements come back to it")
+        if channel.reply and settings.endpoint is None and channel.wsrm is not RMVersion.WSRM11:
+            raise ConfigurationError(f"[channels.{channel.name}] reply = true without [node] endpoint needs "
+                                     "wsrm = \"1.1\": the replies are fetched with WS-MakeConnection, which "
+                                     "offers the reply sequence at an address only WS-RM 1.1 can name")
+    if not 0 < limits.poll_interval_min <= limits.poll_interval_max:
+        raise ConfigurationError("[limits] poll_interval_min must be above 0 and at most poll_interval_max")

@@ -10,6 +10,7 @@ import sqlalchemy
 
 from qtp._render import age, table
 from qtp.config import Config
+from qtp.wsrm.codec import mc_id
 from qtp.wsrm.runtime._settings import node_settings
 from qtp.wsrm.store import SqlStore, Store
 from qtp.xa._sql import normalize_url
@@ -71,7 +72,23 @@ def messaging_status(config: Config) -> dict[str, Any]:
             engine.dispose()
     limits = node_settings(config.messaging, set(config.resources)).limits
     return {"sequences": sequences, "dead_letters": dead, "invoker_backlog": backlog,
-            "max_dead_letters": limits.max_dead_letters}
+            "max_dead_letters": limits.max_dead_letters, "polling_clients": polling_clients(sequences)}
+
+
+def polling_clients(sequences: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Clients that cannot listen and fetch their messages with WS-MakeConnection: the outbound sequences
+    whose peer is a WS-MC anonymous URI, with how many messages wait for each client."""
+    clients: dict[str, dict[str, Any]] = {}
+    for q in sequences:
+        client = mc_id(q["peer"]) if q["direction"] == "out" else None
+        if client is not None:
+            entry = clients.setdefault(client, {"client": client, "sequences": 0, "waiting": 0,
+                                                "oldest_waiting_age_s": None})
+            entry["sequences"] += 1
+            entry["waiting"] += q["unacknowledged"]
+            ages = [a for a in (entry["oldest_waiting_age_s"], q["oldest_unacknowledged_age_s"]) if a is not None]
+            entry["oldest_waiting_age_s"] = max(ages) if ages and entry["waiting"] else None
+    return sorted(clients.values(), key=lambda c: c["client"])
 
 
 def messaging_warnings(status: dict[str, Any]) -> list[str]:
@@ -98,4 +115,11 @@ def render_messaging(status: dict[str, Any]) -> str:
         lines_of = table(["dir", "route", "peer", "sequence", "state", "last #", "unacked", "oldest", "backlog"],
                        rows)
         lines += ["    " + line for line in lines_of.splitlines()]
+    clients = status.get("polling_clients") or []
+    if clients:
+        lines.append(f"  clients that poll (WS-MakeConnection): {len(clients)}")
+        polled = table(["client", "sequences", "waiting", "oldest"],
+                       [[c["client"], c["sequences"], c["waiting"], age(c["oldest_waiting_age_s"], unknown="-")]
+                        for c in clients])
+        lines += ["    " + line for line in polled.splitlines()]
     return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""WS-MakeConnection 1.1: messages held for peers that cannot listen, and the poller of a node that cannot.
+
+**Serving side (``Mailbox``).** A peer behind NAT or a firewall names a WS-MC anonymous URI
+(``http://docs.oasis-open.org/ws-rx/wsmc/200702/anonymous?id=X``) as the endpoint of the sequence it offers
+for replies (or as an AcksTo). What this node would POST there is held here instead, keyed by the peer that
+owns the sequence and the URI's id: the sender's messages of that sequence, and the latest acknowledgement of
+an inbound sequence whose AcksTo is such a URI. Each MakeConnection from that peer takes one (acknowledgements
+first, then the lowest message number), with MessagePending saying whether more wait. A message given out is
+given again after ``retransmit_interval`` until it is acknowledged. The messages themselves stay in the store
+(``qtp_rm_outgoing``) until acknowledged: after a restart the sender's timers hold them here again.
+
+Entries belong to the peer that created the sequence: a poll from another peer for the same URI finds nothing.
+
+**Polling side (``Poller``).** A node without ``[node] endpoint`` offers its reply sequences at its own WS-MC
+URI (``mc_anonymous("urn:qtp:node:<node id>")``, the same after a restart) and polls each peer of its reply
+channels: at once while MessagePending says more wait, backing off to ``poll_interval_max`` while idle. A
+polled message goes through the receiver as if the peer had POSTed it; the acknowledgement it produces rides on
+the next poll, and any other answer (a TerminateSequenceResponse, a fault) is POSTed to the peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from qtp.errors import TransportError
+from qtp.wsrm.codec import (
+    MAKE_CONNECTION_ACTION,
+    MISSING_SELECTION,
+    UNSUPPORTED_SELECTION,
+    Addressing,
+    Envelope,
+    InvalidMessage,
+    MakeConnection,
+    SoapFault,
+    anonymous,
+    decode,
+    mc_anonymous,
+    mc_id,
+)
+from qtp.wsrm.protocol import RMVersion, SequenceAcknowledgement
+from qtp.wsrm.runtime._receiver import Answer
+from qtp.wsrm.runtime._transport import wire
+
+if TYPE_CHECKING:
+    from qtp.wsrm.runtime._node import Node
+
+log = logging.getLogger("qtp.wsrm.mailbox")
+
+
+def node_address(node_id: str) -> str:
+    """The WS-MC anonymous URI a node without an endpoint is reached at: stable across restarts."""
+    return mc_anonymous("urn:qtp:node:" + quote(node_id, safe=""))
+
+
+@dataclass
+class _Held:
+    envelope: Envelope
+    identifier: str | None  # the sequence the envelope is about
+    key: str | None = None  # our RM Source sequence, for a message of it (None: an acknowledgement)
+    number: int | None = None
+    given_at: float = float("-inf")  # monotonic time a poll last took it
+
+
+class Mailbox:
+    def __init__(self, node: "Node"):
+        self.node = node
+        self._mutex = threading.Lock()
+        self._boxes: dict[tuple[str | None, str], dict[tuple[Any, ...], _Held]] = {}
+
+    # ------------------------------------------------------------------ what the node would have POSTed
+
+    def hold(self, owner: str | None, client: str, envelope: Envelope, key: str | None = None) -> None:
+        """Keep ``envelope`` for ``client`` (a WS-MC id) of peer ``owner``, replacing an older copy of it."""
+        if envelope.sequence is not None:
+            slot: tuple[Any, ...] = ("message", key, envelope.sequence.number)
+            held = _Held(envelope, envelope.sequence.identifier, key, envelope.sequence.number)
+        elif envelope.acks and envelope.body is None:
+            slot, held = ("ack", envelope.acks[0].identifier), _Held(envelope, envelope.acks[0].identifier)
+        else:
+            identifier = getattr(envelope.body, "identifier", None)
+            slot, held = ("control", key, type(envelope.body).__name__), _Held(envelope, identifier, key)
+        with self._mutex:
+            box = self._boxes.setdefault((owner, client), {})
+            known = box.get(slot)
+            if known is not None:
+                held.given_at = known.given_at
+            box[slot] = held
+
+    # ------------------------------------------------------------------ polls
+
+    def answer(self, env: Envelope, poll: MakeConnection, caller: str | None) -> Answer:
+        """The answer to a MakeConnection from ``caller``: one held message (200), nothing (202), or a fault."""
+        metrics = self.node.metrics
+        if poll.unsupported:
+            metrics.polls.labels(result="fault").inc()
+            return self.node.receiver.fault(env, SoapFault(
+                "Receiver", UNSUPPORTED_SELECTION, "The extension element used in the message selection is not "
+                "supported by the MakeConnection receiver", unsupported=poll.unsupported))
+        if poll.address is None and poll.identifier is None:
+            metrics.polls.labels(result="fault").inc()
+            return self.node.receiver.fault(env, SoapFault("Receiver", MISSING_SELECTION,
+                                                           "The MakeConnection element did not contain any selection criteria"))
+        client = mc_id(poll.address)
+        if poll.address is not None and client is None:
+            metrics.polls.labels(result="fault").inc()
+            return self.node.receiver.fault(env, SoapFault("Receiver", UNSUPPORTED_SELECTION,
+                                                           "the Address is not a WS-MakeConnection anonymous URI"))
+        envelope, more = self.take(caller, client, poll.identifier)
+        if envelope is None:
+            metrics.polls.labels(result="empty").inc()
+            return Answer(None, 202)
+        metrics.polls.labels(result="message").inc()
+        return Answer(replace(envelope, message_pending=more), 200)
+
+    def take(self, owner: str | None, client: str | None, identifier: str | None = None) -> tuple[Envelope | None, bool]:
+        """The next envelope for ``client`` (or, with ``client`` None, for any of ``owner``'s clients), only
+        about sequence ``identifier`` when given; and whether more wait. Acknowledgements held for the same
+        client ride along on a message."""
+        self._drop_acknowledged()
+        now, again = time.monotonic(), self.node.limits.retransmit_interval
+        with self._mutex:
+            boxes = [box for (o, c), box in self._boxes.items() if o == owner and client in (None, c)]
+            ready = [(slot, held, box) for box in boxes for slot, held in box.items()
+                     if (identifier is None or held.identifier == identifier) and now - held.given_at >= again]
+            if not ready:
+                return None, False
+            ready.sort(key=lambda r: (r[0][0] != "ack", r[0][0] == "control", r[1].key or "", r[1].number or 0))
+            slot, held, box = ready[0]
+            envelope = held.envelope
+            if slot[0] == "message":
+                held.given_at = now
+                acks = [(s, h) for s, h in box.items() if s[0] == "ack"]
+                for s, _ in acks:
+                    del box[s]
+                if acks:
+                    envelope = replace(envelope, acks=envelope.acks + tuple(a for _, h in acks for a in h.envelope.acks))
+                ready = [r for r in ready if r[0][0] != "ack"]
+            else:  # an acknowledgement or a control message goes once: its sender asks again if it is lost
+                del box[slot]
+            return envelope, len(ready) > 1
+
+    def _drop_acknowledged(self) -> None:
+        with self._mutex:
+            messages = [(box, slot, held) for box in self._boxes.values() for slot, held in box.items()
+                        if held.key is not None and held.number is not None]
+        gone = [(box, slot) for box, slot, held in messages if not self.node.sender.unacknowledged(held.key, held.number)]
+        with self._mutex:
+            for box, slot in gone:
+                box.pop(slot, None)
+
+    def waiting(self) -> dict[tuple[str | None, str], int]:
+        """Messages held per (peer, WS-MC id), for /metrics and the log."""
+        self._drop_acknowledged()
+        with self._mutex:
+            return {k: sum(1 for s in box if s[0] == "message") for k, box in self._boxes.items() if box}
+
+
+class Poller:
+    """The MakeConnection loop of a node without an endpoint, one thread per peer of its reply channels."""
+
+    def __init__(self, node: "Node", address: str):
+        self.node = node
+        self.address = address
+        self._acks: dict[str, dict[str, SequenceAcknowledgement]] = {}
+        self._mutex = threading.Lock()
+
+    def peers(self) -> list[str]:
+        return sorted({c.peer for c in self.node.channels.values() if c.reply})
+
+    def run(self, peer: str, stopping: threading.Event) -> None:
+        limits = self.node.limits
+        delay = limits.poll_interval_min
+        while not stopping.is_set():
+            try:
+                got, more = self.poll(peer)
+            except Exception:  # the loop survives anything; the peer keeps what it holds
+                log.exception("polling %s failed", peer)
+                got, more = False, False
+            if more:
+                continue
+            delay = limits.poll_interval_min if got else min(limits.poll_interval_max, delay * 2)
+            stopping.wait(delay)
+
+    def poll(self, peer: str) -> tuple[bool, bool]:
+        """One MakeConnection to ``peer``: (a message came, the peer says more wait)."""
+        node = self.node
+        channel = next(c for c in node.channels.values() if c.reply and c.peer == peer)
+        wsa = channel.wsa
+        with self._mutex:
+            acks = tuple(self._acks.pop(peer, {}).values())
+        poll = Envelope(soap=channel.soap, rm=RMVersion.WSRM11, wsa=wsa, acks=acks, body=MakeConnection(self.address),
+                        addressing=Addressing(action=MAKE_CONNECTION_ACTION, to=peer,
+                                              message_id=f"urn:uuid:{uuid.uuid4()}", reply_to=anonymous(wsa)))
+        try:
+            reply = node.transport.post(peer, wire(poll), poll.soap, MAKE_CONNECTION_ACTION)
+        except TransportError as exc:
+            log.debug("poll of %s failed: %s", peer, exc)
+            self._keep(peer, acks)
+            return False, False
+        node.metrics.polls.labels(result="sent").inc()
+        if not reply.body.strip():
+            return False, False
+        try:
+            message = decode(reply.body)
+        except InvalidMessage as exc:
+            log.warning("unreadable answer to a poll (HTTP %d) from %s: %s", reply.status, peer, exc)
+            return False, False
+        if isinstance(message.body, SoapFault):
+            log.warning("%s refused a poll: %s", peer, message.body.reason)
+            return False, False
+        found = node.settings.security.peer_for_url(peer)
+        answer = node.receiver.handle(message, None if found is None else found.name)
+        back = answer.envelope
+        if back is not None and back.body is None and back.sequence is None and not back.ack_requests:
+            self._keep(peer, back.acks)  # on the next poll, which comes at once
+        elif back is not None:
+            try:
+                node.transport.post(peer, wire(back), back.soap, back.addressing.action)
+            except TransportError as exc:
+                log.debug("answer to a polled message not delivered to %s: %s", peer, exc)
+        return True, bool(message.message_pending)
+
+    def _keep(self, peer: str, acks: tuple[SequenceAcknowledgement, ...]) -> None:
+        with self._mutex:
+            kept = self._acks.setdefault(peer, {})
+            for ack in acks:
+                kept[ack.identifier] = ack  # acknowledgements only grow: the newest covers the older
+

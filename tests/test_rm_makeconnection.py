@@ -1,0 +1,166 @@
+"""WS-MakeConnection (issue 23): a client node with no endpoint runs a request-reply channel by polling.
+
+Real node processes: the client's config has no ``endpoint`` and no ``listen``; it offers its reply sequence
+at its WS-MC anonymous URI and fetches the replies with MakeConnection. Every test ends with the orders and
+replies reconciled exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+
+import uuid
+
+import pytest
+import requests
+
+from qtp.wsrm.codec import (
+    MAKE_CONNECTION_ACTION,
+    MISSING_SELECTION,
+    UNSUPPORTED_SELECTION,
+    Addressing,
+    Envelope,
+    MakeConnection,
+    SoapVersion,
+    WsaVersion,
+    anonymous,
+    decode,
+    encode,
+    mc_anonymous,
+    mc_id,
+)
+from qtp.wsrm.protocol import RMVersion
+from qtp.wsrm.runtime._security import HEADER, sign_request
+from qtp.wsrm.runtime._transport import content_type
+from qtp.testing.nodes import (
+    Pair,
+    check_exactly_once,
+    client_schema,
+    counter,
+    listening_ports,
+    rows,
+    server_schema,
+    wait_until,
+)
+
+SECRET = "makeconnection-pair-secret-0123456789ab"
+
+
+@pytest.fixture
+def polling_pair(pg_db, maria_db, run_pair):
+    def make(send: int, secret: str | None = SECRET, rate: float = 0.0, server_extra: str = "", limits: str = ""):
+        client_app, server_app = pg_db("client"), maria_db("server")
+        client_schema(client_app)
+        server_schema(server_app)
+        pair = Pair(client_app, server_app, reply=True, secret=secret, client_listens=False, server_extra=server_extra,
+                    limits=limits)
+        client, server = run_pair(pair, send, rate)
+        node = tomllib.loads(client.config.read_text())["node"]
+        assert "endpoint" not in node and "listen" not in node
+        return pair, client, server
+
+    return make
+
+
+def _replies(pair: Pair) -> int:
+    return rows(pair.client_app, "SELECT COUNT(*) FROM replies")[0][0]
+
+
+def _finish(pair: Pair, count: int) -> None:
+    wait_until(lambda: _replies(pair) >= count, 120, f"{count} replies")
+    result = check_exactly_once(pair.client_app, pair.server_app, reply=True)
+    assert result["committed"] == count == result["applied"]
+
+
+@pytest.mark.parametrize("secret", [SECRET, None], ids=["authenticated", "anonymous-loopback"])
+def test_a_client_without_endpoint_gets_its_replies_by_polling(polling_pair, secret):
+    pair, client, server = polling_pair(send=40, secret=secret)
+    assert client.port is None and listening_ports(client.proc.pid) == []  # nothing bound
+    _finish(pair, 40)
+    assert listening_ports(client.proc.pid) == []
+    metrics = requests.get(f"http://127.0.0.1:{server.port}/metrics", timeout=5).text
+    assert 'qtp_polls_total{node="' in metrics and 'result="message"' in metrics
+    (info,) = [i for (i,) in rows(pair.server_app, "SELECT info FROM qtp_rm_source")]
+    assert "wsmc/200702/anonymous?id=urn:qtp:node:" in info  # the offered sequence's endpoint
+
+
+def test_replies_held_for_a_polling_client_survive_a_server_restart(polling_pair):
+    pair, client, server = polling_pair(send=60, rate=20)
+    wait_until(lambda: _replies(pair) >= 5, 60, "the first replies")
+    server.kill()
+    server.start()
+    wait_until(lambda: _replies(pair) >= 20, 60, "replies after the server's restart")
+    client.kill()  # and the client: its offered sequence and what it had stored survive too
+    committed = rows(pair.client_app, "SELECT COUNT(*) FROM orders WHERE status = 'committed'")[0][0]
+    client.env["QTP_TEST_SEND"] = "0"  # what it committed before the kill is all there is
+    client.start()
+    _finish(pair, committed)
+
+
+def test_replies_wait_while_the_client_is_down_and_are_fetched_when_it_returns(polling_pair):
+    pair, client, server = polling_pair(send=40, rate=40)
+    wait_until(lambda: _replies(pair) >= 5, 60, "the first replies")
+    client.kill()
+    committed = rows(pair.client_app, "SELECT COUNT(*) FROM orders WHERE status = 'committed'")[0][0]
+    metrics = f"http://127.0.0.1:{server.port}/metrics"
+    if rows(pair.server_app, "SELECT COUNT(*) FROM applied")[0][0] > _replies(pair):  # replies owed: held
+        wait_until(lambda: (counter(metrics, "qtp_polling_client_messages") or 0) > 0, 15,
+                   "the server holding replies for the client that is down")
+        done = subprocess.run([sys.executable, "-m", "qtp", "status", "--json", "--config", str(server.config)],
+                              capture_output=True, text=True, timeout=60)
+        (polled,) = json.loads(done.stdout)["messaging"]["polling_clients"]
+        assert polled["client"].startswith("urn:qtp:node:client-") and polled["waiting"] > 0
+    client.env["QTP_TEST_SEND"] = "0"
+    client.start()
+    _finish(pair, committed)
+    wait_until(lambda: counter(metrics, "qtp_polling_client_messages") in (None, 0.0), 15, "nothing held")
+
+
+MALLORY = "mallory-secret-for-polls-0123456789abcdef"
+
+
+def _poll_bytes(url: str, poll: MakeConnection) -> bytes:
+    wsa = WsaVersion.WSA200508
+    return encode(Envelope(soap=SoapVersion.SOAP12, rm=RMVersion.WSRM11, wsa=wsa, body=poll, addressing=Addressing(
+        action=MAKE_CONNECTION_ACTION, to=url, message_id=f"urn:uuid:{uuid.uuid4()}", reply_to=anonymous(wsa))))
+
+
+def _poll(url: str, body: MakeConnection | bytes, as_peer: str | None = "mallory") -> requests.Response:
+    """POST a MakeConnection (or raw bytes) to the server, signed as ``as_peer`` (None: anonymous)."""
+    if isinstance(body, MakeConnection):
+        body = _poll_bytes(url, body)
+    headers = {"Content-Type": content_type(SoapVersion.SOAP12, MAKE_CONNECTION_ACTION)}
+    if as_peer is not None:
+        headers[HEADER] = sign_request(MALLORY.encode(), as_peer, "POST", "/rm", body)
+    return requests.post(url, data=body, headers=headers, timeout=10)
+
+
+def test_polls_for_another_peers_client_or_without_selection_get_nothing(polling_pair):
+    """Another authenticated peer polls with the client's WS-MC address while replies wait for that client
+    (which polls every 4 s here): it gets nothing, and the client gets every reply. Polls that select nothing, select
+    with an extension, name a plain URL or an oversized address are refused cleanly."""
+    pair, client, server = polling_pair(send=30, server_extra=f'\n[peers.mallory]\nsecret = "{MALLORY}"\n',
+                                        limits="poll_interval_min = 4\npoll_interval_max = 4")  # a slow poller
+    url, metrics = f"http://127.0.0.1:{server.port}/rm", f"http://127.0.0.1:{server.port}/metrics"
+    wait_until(lambda: rows(pair.server_app, "SELECT COUNT(*) FROM applied")[0][0] == 30, 60, "30 orders applied")
+    wait_until(lambda: (counter(metrics, "qtp_polling_client_messages") or 0) > 0, 10, "replies held")
+    (info,) = [i for (i,) in rows(pair.server_app, "SELECT info FROM qtp_rm_source")]
+    address = json.loads(info)["peer"]
+    assert mc_id(address) is not None
+    for _ in range(3):
+        answer = _poll(url, MakeConnection(address))
+        assert answer.status_code == 202 and not answer.content  # held for the client's peer, not for mallory
+    assert _poll(url, MakeConnection(address), as_peer=None).status_code == 401  # this server takes no anonymous
+    selected = _poll_bytes(url, MakeConnection(mc_anonymous("urn:x")))
+    missing = _poll(url, re.sub(rb"(<(?:\w+:)?MakeConnection[^>]*>).*?(</(?:\w+:)?MakeConnection>)", rb"\1\2", selected,
+                                flags=re.S))
+    assert missing.status_code == 500 and decode(missing.content).body.subcode == MISSING_SELECTION
+    unsupported = _poll(url, MakeConnection("http://127.0.0.1:1/rm"))
+    assert unsupported.status_code == 500 and decode(unsupported.content).body.subcode == UNSUPPORTED_SELECTION
+    huge = selected.replace(b"urn:x", b"urn:" + b"x" * 3000)
+    assert _poll(url, huge).status_code == 400
+    _finish(pair, 30)
