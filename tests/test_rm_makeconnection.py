@@ -14,6 +14,7 @@ import sys
 import tomllib
 
 import uuid
+from dataclasses import replace
 
 import pytest
 import requests
@@ -29,11 +30,12 @@ from qtp.wsrm.codec import (
     WsaVersion,
     anonymous,
     decode,
+    default_action,
     encode,
     mc_anonymous,
     mc_id,
 )
-from qtp.wsrm.protocol import RMVersion
+from qtp.wsrm.protocol import CreateSequence, CreateSequenceResponse, RMVersion, Sequence
 from qtp.wsrm.runtime._security import HEADER, sign_request
 from qtp.wsrm.runtime._transport import content_type
 from qtp.testing.nodes import (
@@ -164,3 +166,36 @@ def test_polls_for_another_peers_client_or_without_selection_get_nothing(polling
     huge = selected.replace(b"urn:x", b"urn:" + b"x" * 3000)
     assert _poll(url, huge).status_code == 400
     _finish(pair, 30)
+
+
+def test_acknowledgements_for_a_wsmc_acks_to_are_fetched_by_address_or_by_sequence(polling_pair):
+    """A peer whose sequence names a WS-MC anonymous URI as AcksTo (as Metro's clients do) gets no
+    acknowledgement on the response; it fetches it with MakeConnection, by that address or by the sequence's
+    identifier, and a poll that finds nothing more gets 202."""
+    pair, client, server = polling_pair(send=1, server_extra=f'\n[peers.mallory]\nsecret = "{MALLORY}"\n')
+    url, wsa = f"http://127.0.0.1:{server.port}/rm", WsaVersion.WSA200508
+    address = mc_anonymous(f"urn:uuid:{uuid.uuid4()}")
+
+    def post(envelope: Envelope) -> requests.Response:
+        return _poll(url, encode(envelope))
+
+    def envelope(**kw) -> Envelope:
+        env = Envelope(soap=SoapVersion.SOAP12, rm=RMVersion.WSRM11, wsa=wsa, addressing=Addressing(
+            action=kw.pop("action", None), to=url, message_id=f"urn:uuid:{uuid.uuid4()}", reply_to=anonymous(wsa)),
+            **kw)
+        return replace(env, addressing=replace(env.addressing, action=env.addressing.action or default_action(env)))
+
+    created = decode(post(envelope(body=CreateSequence(address))).content).body
+    assert isinstance(created, CreateSequenceResponse), created
+    sent = post(envelope(sequence=Sequence(created.identifier, 1), payload=b'<order xmlns="urn:test" k="900001"/>',
+                         action="urn:test:apply"))
+    assert sent.status_code == 202 and not sent.content  # no acknowledgement on the response: it is held
+    by_identifier = _poll(url, MakeConnection(identifier=created.identifier))
+    assert by_identifier.status_code == 200
+    (ack,) = decode(by_identifier.content).acks
+    assert ack.identifier == created.identifier and ack.ranges == ((1, 1),)
+    assert _poll(url, MakeConnection(address)).status_code == 202  # given once: nothing more waits
+    post(envelope(sequence=Sequence(created.identifier, 2), payload=b'<order xmlns="urn:test" k="900002"/>',
+                  action="urn:test:apply"))
+    by_address = decode(_poll(url, MakeConnection(address)).content)
+    assert by_address.acks[0].ranges == ((1, 2),) and by_address.message_pending is False
