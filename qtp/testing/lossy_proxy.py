@@ -425,6 +425,10 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body leave in separate writes: with Nagle's algorithm on, the body waited for the client's
+    # delayed ACK, about 40 ms per answer (a WS-MakeConnection client that polls one message per request
+    # moved 20 messages/s through the proxy instead of hundreds).
+    disable_nagle_algorithm = True
     server: _Server
 
     def setup(self) -> None:

@@ -6,7 +6,8 @@ for replies (or as an AcksTo). What this node would POST there is held here inst
 owns the sequence and the URI's id: the sender's messages of that sequence, and the latest acknowledgement of
 an inbound sequence whose AcksTo is such a URI. Each MakeConnection from that peer takes one (acknowledgements
 first, then the lowest message number), with MessagePending saying whether more wait. A message given out is
-given again after ``retransmit_interval`` until it is acknowledged. The messages themselves stay in the store
+given again after ``retransmit_interval`` until it is acknowledged, or after a quarter second when the
+client's acknowledgements show a gap there (its answer was lost). The messages themselves stay in the store
 (``qtp_rm_outgoing``) until acknowledged: after a restart the sender's timers hold them here again.
 
 Entries belong to the peer that created the sequence: a poll from another peer for the same URI finds nothing.
@@ -56,6 +57,9 @@ log = logging.getLogger("qtp.wsrm.mailbox")
 def node_address(node_id: str) -> str:
     """The WS-MC anonymous URI a node without an endpoint is reached at: stable across restarts."""
     return mc_anonymous("urn:qtp:node:" + quote(node_id, safe=""))
+
+
+_GAP_AGAIN = 0.25  # a message the client's acknowledgements skip is given again after this (they lag a tick)
 
 
 @dataclass
@@ -126,8 +130,15 @@ class Mailbox:
         now, again = time.monotonic(), self.node.limits.retransmit_interval
         with self._mutex:
             boxes = [box for (o, c), box in self._boxes.items() if o == owner and client in (None, c)]
-            ready = [(slot, held, box) for box in boxes for slot, held in box.items()
-                     if (identifier is None or held.identifier == identifier) and now - held.given_at >= again]
+            chosen = [(slot, held, box) for box in boxes for slot, held in box.items()
+                      if identifier is None or held.identifier == identifier]
+        sender = self.node.sender
+        ready = [(slot, held, box) for slot, held, box in chosen
+                 if now - held.given_at >= again or  # given out and still not acknowledged
+                 (now - held.given_at >= _GAP_AGAIN and held.number is not None and  # or the client has a gap there
+                  sender.acknowledged_above(held.key, held.number))]
+        with self._mutex:
+            ready = [(slot, held, box) for slot, held, box in ready if box.get(slot) is held]  # not taken meanwhile
             if not ready:
                 return None, False
             ready.sort(key=lambda r: (r[0][0] != "ack", r[0][0] == "control", r[1].key or "", r[1].number or 0))
@@ -149,7 +160,8 @@ class Mailbox:
         with self._mutex:
             messages = [(box, slot, held) for box in self._boxes.values() for slot, held in box.items()
                         if held.key is not None and held.number is not None]
-        gone = [(box, slot) for box, slot, held in messages if not self.node.sender.unacknowledged(held.key, held.number)]
+        waiting = {key: self.node.sender.unacknowledged(key) for key in {held.key for _, _, held in messages}}
+        gone = [(box, slot) for box, slot, held in messages if held.number not in waiting[held.key]]
         with self._mutex:
             for box, slot in gone:
                 box.pop(slot, None)

@@ -636,10 +636,16 @@ class Sender:
         if key is not None:
             self.event(key, event)
 
-    def unacknowledged(self, key: str | None, number: int | None) -> bool:
-        """Message ``number`` of our sequence ``key`` is sent and not yet acknowledged."""
+    def unacknowledged(self, key: str) -> set[int]:
+        """The numbers of our sequence ``key`` sent and not yet acknowledged."""
+        machine = self._machines.get(key)
+        return set() if machine is None else {n for n, *_ in machine.record.pending}
+
+    def acknowledged_above(self, key: str | None, number: int) -> bool:
+        """The peer acknowledged a number above ``number`` of sequence ``key``: if ``number`` is not
+        acknowledged itself, the peer has a gap there."""
         machine = self._machines.get(key or "")
-        return machine is not None and any(n == number for n, *_ in machine.record.pending)
+        return machine is not None and ranges.highest(machine.record.acked) > number
 
     def knows(self, identifier: str) -> bool:
         """An outbound sequence (or an offered route) of ours has this identifier."""
