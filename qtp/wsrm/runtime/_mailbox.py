@@ -6,8 +6,7 @@ for replies (or as an AcksTo). What this node would POST there is held here inst
 owns the sequence and the URI's id: the sender's messages of that sequence, and the latest acknowledgement of
 an inbound sequence whose AcksTo is such a URI. Each MakeConnection from that peer takes one (acknowledgements
 first, then the lowest message number), with MessagePending saying whether more wait. A message given out is
-given again after ``retransmit_interval`` until it is acknowledged, or after a quarter second when the
-client's acknowledgements show a gap there (its answer was lost). The messages themselves stay in the store
+given again after ``retransmit_interval`` until it is acknowledged. The messages themselves stay in the store
 (``qtp_rm_outgoing``) until acknowledged: after a restart the sender's timers hold them here again.
 
 Entries belong to the peer that created the sequence: a poll from another peer for the same URI finds nothing.
@@ -57,9 +56,6 @@ log = logging.getLogger("qtp.wsrm.mailbox")
 def node_address(node_id: str) -> str:
     """The WS-MC anonymous URI a node without an endpoint is reached at: stable across restarts."""
     return mc_anonymous("urn:qtp:node:" + quote(node_id, safe=""))
-
-
-_GAP_AGAIN = 0.25  # a message the client's acknowledgements skip is given again after this (they lag a tick)
 
 
 @dataclass
@@ -132,11 +128,7 @@ class Mailbox:
             boxes = [box for (o, c), box in self._boxes.items() if o == owner and client in (None, c)]
             chosen = [(slot, held, box) for box in boxes for slot, held in box.items()
                       if identifier is None or held.identifier == identifier]
-        sender = self.node.sender
-        ready = [(slot, held, box) for slot, held, box in chosen
-                 if now - held.given_at >= again or  # given out and still not acknowledged
-                 (now - held.given_at >= _GAP_AGAIN and held.number is not None and  # or the client has a gap there
-                  sender.acknowledged_above(held.key, held.number))]
+        ready = [(slot, held, box) for slot, held, box in chosen if now - held.given_at >= again]
         with self._mutex:
             ready = [(slot, held, box) for slot, held, box in ready if box.get(slot) is held]  # not taken meanwhile
             if not ready:

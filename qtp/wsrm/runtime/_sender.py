@@ -641,12 +641,6 @@ class Sender:
         machine = self._machines.get(key)
         return set() if machine is None else {n for n, *_ in machine.record.pending}
 
-    def acknowledged_above(self, key: str | None, number: int) -> bool:
-        """The peer acknowledged a number above ``number`` of sequence ``key``: if ``number`` is not
-        acknowledged itself, the peer has a gap there."""
-        machine = self._machines.get(key or "")
-        return machine is not None and ranges.highest(machine.record.acked) > number
-
     def knows(self, identifier: str) -> bool:
         """An outbound sequence (or an offered route) of ours has this identifier."""
         return f"offer:{identifier}" in self._offer_routes or self.key_of(identifier) is not None
