@@ -59,8 +59,8 @@ def run_pair(tmp_path):
 
     started = []
 
-    def start(pair, send: int, rate: float = 0.0):
-        client, server = pair_processes(pair, tmp_path, send, rate)
+    def start(pair, send: int, rate: float = 0.0, server_env: dict | None = None):
+        client, server = pair_processes(pair, tmp_path, send, rate, server_env)
         started.extend([server, client])
         server.start()
         client.start()

@@ -54,13 +54,14 @@ SECRET = "makeconnection-pair-secret-0123456789ab"
 
 @pytest.fixture
 def polling_pair(pg_db, maria_db, run_pair):
-    def make(send: int, secret: str | None = SECRET, rate: float = 0.0, server_extra: str = "", limits: str = ""):
+    def make(send: int, secret: str | None = SECRET, rate: float = 0.0, server_extra: str = "", limits: str = "",
+             server_env: dict | None = None):
         client_app, server_app = pg_db("client"), maria_db("server")
         client_schema(client_app)
         server_schema(server_app)
         pair = Pair(client_app, server_app, reply=True, secret=secret, client_listens=False, server_extra=server_extra,
                     limits=limits)
-        client, server = run_pair(pair, send, rate)
+        client, server = run_pair(pair, send, rate, server_env)
         node = tomllib.loads(client.config.read_text())["node"]
         assert "endpoint" not in node and "listen" not in node
         return pair, client, server
@@ -199,3 +200,49 @@ def test_acknowledgements_for_a_wsmc_acks_to_are_fetched_by_address_or_by_sequen
                   action="urn:test:apply"))
     by_address = decode(_poll(url, MakeConnection(address)).content)
     assert by_address.acks[0].ranges == ((1, 2),) and by_address.message_pending is False
+
+
+def test_a_fault_reply_reaches_a_polling_client_and_the_replies_after_it_follow(polling_pair):
+    """Order 4's handler always fails: it becomes a dead letter at the server and its answer is a SOAP fault
+    on the reply sequence. A polling client must store it like any reply (the first version took it for the
+    server refusing the poll: the fault was given again for ever and every later reply waited behind it)."""
+    pair, client, server = polling_pair(send=10, server_env={"QTP_TEST_FAIL": "4"},
+                                        limits="max_attempts = 2")
+    wait_until(lambda: rows(pair.client_app, "SELECT COUNT(*) FROM replies")[0][0] >= 10, 60, "10 answers")
+    check_exactly_once(pair.client_app, pair.server_app, reply=True, failed={4})
+    assert rows(pair.client_app, "SELECT kind FROM replies WHERE k = 4") == [("fault",)]
+
+
+@pytest.mark.parametrize("listen, anonymous_addresses, accepted", [
+    ("127.0.0.1", (), True),      # a loopback node (development): anonymous peers may poll
+    ("0.0.0.0", (), False),       # reachable beyond loopback: anonymous peers share one identity, so no
+    ("0.0.0.0", ("http://docs.oasis-open.org/ws-rx/wsmc/200702/anonymous*",), True),  # unless allowed
+])
+def test_anonymous_peers_offer_a_wsmc_endpoint_only_where_allowed(tmp_path, listen, anonymous_addresses, accepted):
+    """Anonymous clients all poll as the same (anonymous) owner: on a node reachable beyond loopback one could
+    fetch another's replies, so a WS-MC Offer Endpoint from an anonymous peer is refused there unless
+    ``anonymous_addresses`` names the WS-MC prefix. Authenticated peers may always use one."""
+    import qtp
+    from qtp.embedded import free_port
+    from qtp.wsrm.protocol import FaultCode, Offer, SequenceFault
+    from qtp.wsrm.runtime import Node, NodeSettings
+    from qtp.wsrm.runtime._security import Security
+
+    port = free_port()
+    tm = qtp.TransactionManager(f"anon-{uuid.uuid4().hex[:6]}", tmp_path / "logs", recovery_interval=None)
+    node = Node(tm, NodeSettings(endpoint=f"http://127.0.0.1:{port}/rm", listen=(listen, port), mode="memory",
+                                 security=Security(allow_anonymous=True, anonymous_addresses=anonymous_addresses)))
+    try:
+        wsa = WsaVersion.WSA200508
+        offer = Offer(f"urn:uuid:{uuid.uuid4()}", endpoint=mc_anonymous(f"urn:uuid:{uuid.uuid4()}"))
+        create = Envelope(soap=SoapVersion.SOAP12, rm=RMVersion.WSRM11, wsa=wsa, body=CreateSequence(
+            anonymous(wsa), offer=offer), addressing=Addressing(to=node.endpoint, message_id="urn:uuid:1",
+                                                               reply_to=anonymous(wsa)))
+        create = replace(create, addressing=replace(create.addressing, action=default_action(create)))
+        body = node.receiver.handle(create, None).envelope.body
+        if accepted:
+            assert isinstance(body, CreateSequenceResponse) and body.accept_acks_to is not None, body
+        else:
+            assert isinstance(body, SequenceFault) and body.code is FaultCode.CREATE_SEQUENCE_REFUSED, body
+    finally:
+        tm.close()

@@ -203,11 +203,12 @@ class NodeProcess:
             return ""
 
 
-def pair_processes(pair: Pair, folder: Path, send: int, rate: float = 0.0) -> tuple["NodeProcess", "NodeProcess"]:
+def pair_processes(pair: Pair, folder: Path, send: int, rate: float = 0.0,
+                   server_env: dict[str, str] | None = None) -> tuple["NodeProcess", "NodeProcess"]:
     """The pair's two node processes (not started), its configs written to ``folder``: the client sends
     orders 1..``send`` (``rate`` per second, 0: at once), none of them aborted."""
     client_config, server_config = pair.write(folder)
-    server = NodeProcess(server_config, folder / "server.log")
+    server = NodeProcess(server_config, folder / "server.log", server_env)
     client = NodeProcess(client_config, folder / "client.log",
                          {"QTP_TEST_SEND": str(send), "QTP_TEST_ABORT_EVERY": "0", "QTP_TEST_RATE": str(rate)})
     return client, server

@@ -4,8 +4,9 @@
 (``http://docs.oasis-open.org/ws-rx/wsmc/200702/anonymous?id=X``) as the endpoint of the sequence it offers
 for replies (or as an AcksTo). What this node would POST there is held here instead, keyed by the peer that
 owns the sequence and the URI's id: the sender's messages of that sequence, and the latest acknowledgement of
-an inbound sequence whose AcksTo is such a URI. Each MakeConnection from that peer takes one (acknowledgements
-first, then the lowest message number), with MessagePending saying whether more wait. A message given out is
+an inbound sequence whose AcksTo is such a URI. Each MakeConnection from that peer takes one (the lowest
+message number, with the acknowledgements riding along; then lone acknowledgements), with MessagePending
+saying whether more wait. A message given out is
 given again after ``retransmit_interval`` until it is acknowledged. The messages themselves stay in the store
 (``qtp_rm_outgoing``) until acknowledged: after a restart the sender's timers hold them here again.
 
@@ -14,8 +15,9 @@ Entries belong to the peer that created the sequence: a poll from another peer f
 **Polling side (``Poller``).** A node without ``[node] endpoint`` offers its reply sequences at its own WS-MC
 URI (``mc_anonymous("urn:qtp:node:<node id>")``, the same after a restart) and polls each peer of its reply
 channels: at once while MessagePending says more wait, backing off to ``poll_interval_max`` while idle. A
-polled message goes through the receiver as if the peer had POSTed it; the acknowledgement it produces rides on
-the next poll, and any other answer (a TerminateSequenceResponse, a fault) is POSTed to the peer.
+polled message goes through the receiver as if the peer had POSTed it (a CreateSequence is ignored: a peer we
+poll cannot open sequences here); the acknowledgement it produces rides on the next poll, sent at once, and
+any other answer (a TerminateSequenceResponse, a fault) is POSTed to the peer.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from qtp.wsrm.codec import (
     mc_anonymous,
     mc_id,
 )
-from qtp.wsrm.protocol import RMVersion, SequenceAcknowledgement
+from qtp.wsrm.protocol import CreateSequence, RMVersion, SequenceAcknowledgement
 from qtp.wsrm.runtime._receiver import Answer
 from qtp.wsrm.runtime._transport import wire
 
@@ -83,7 +85,8 @@ class Mailbox:
         elif envelope.acks and envelope.body is None:
             slot, held = ("ack", envelope.acks[0].identifier), _Held(envelope, envelope.acks[0].identifier)
         else:
-            identifier = getattr(envelope.body, "identifier", None)
+            identifier = getattr(envelope.body, "identifier", None) or \
+                next((r.identifier for r in envelope.ack_requests), None)
             slot, held = ("control", key, type(envelope.body).__name__), _Held(envelope, identifier, key)
         with self._mutex:
             box = self._boxes.setdefault((owner, client), {})
@@ -120,43 +123,52 @@ class Mailbox:
 
     def take(self, owner: str | None, client: str | None, identifier: str | None = None) -> tuple[Envelope | None, bool]:
         """The next envelope for ``client`` (or, with ``client`` None, for any of ``owner``'s clients), only
-        about sequence ``identifier`` when given; and whether more wait. Acknowledgements held for the same
-        client ride along on a message."""
+        about sequence ``identifier`` when given; and whether more wait. Messages go first, lowest number
+        first, with the acknowledgements held for the same client riding along; then lone acknowledgements;
+        then control messages."""
         self._drop_acknowledged()
         now, again = time.monotonic(), self.node.limits.retransmit_interval
         with self._mutex:
             boxes = [box for (o, c), box in self._boxes.items() if o == owner and client in (None, c)]
             chosen = [(slot, held, box) for box in boxes for slot, held in box.items()
                       if identifier is None or held.identifier == identifier]
-        ready = [(slot, held, box) for slot, held, box in chosen if now - held.given_at >= again]
         with self._mutex:
-            ready = [(slot, held, box) for slot, held, box in ready if box.get(slot) is held]  # not taken meanwhile
+            ready = [(slot, held, box) for slot, held, box in chosen
+                     if box.get(slot) is held and now - held.given_at >= again]  # (another poll may have taken it)
             if not ready:
                 return None, False
-            ready.sort(key=lambda r: (r[0][0] != "ack", r[0][0] == "control", r[1].key or "", r[1].number or 0))
+            order = {"message": 0, "ack": 1, "control": 2}
+            ready.sort(key=lambda r: (order[r[0][0]], r[1].key or "", r[1].number or 0))
             slot, held, box = ready[0]
             envelope = held.envelope
-            if slot[0] == "message":
+            if slot[0] == "message":  # the acknowledgements waiting for this client ride along
                 held.given_at = now
-                acks = [(s, h) for s, h in box.items() if s[0] == "ack"]
-                for s, _ in acks:
-                    del box[s]
+                acks = [(s, h, b) for s, h, b in ready if s[0] == "ack" and b is box]
+                for s, _, b in acks:
+                    del b[s]
                 if acks:
-                    envelope = replace(envelope, acks=envelope.acks + tuple(a for _, h in acks for a in h.envelope.acks))
-                ready = [r for r in ready if r[0][0] != "ack"]
+                    envelope = replace(envelope, acks=envelope.acks + tuple(a for _, h, _ in acks for a in h.envelope.acks))
+                ready = [r for r in ready if r[0][0] != "ack" or r[2] is not box]
             else:  # an acknowledgement or a control message goes once: its sender asks again if it is lost
                 del box[slot]
             return envelope, len(ready) > 1
 
     def _drop_acknowledged(self) -> None:
+        """Forget messages acknowledged since they were held, acknowledgements of inbound sequences the
+        node has forgotten, control messages of outbound sequences it has forgotten, and empty boxes."""
         with self._mutex:
-            messages = [(box, slot, held) for box in self._boxes.values() for slot, held in box.items()
-                        if held.key is not None and held.number is not None]
-        waiting = {key: self.node.sender.unacknowledged(key) for key in {held.key for _, _, held in messages}}
-        gone = [(box, slot) for box, slot, held in messages if held.number not in waiting[held.key]]
+            entries = [(box, slot, held) for box in self._boxes.values() for slot, held in box.items()]
+        sender, receiver = self.node.sender, self.node.receiver
+        waiting = {key: sender.unacknowledged(key) for key in {h.key for _, s, h in entries if s[0] == "message"}}
+        gone = [(box, slot) for box, slot, held in entries
+                if (slot[0] == "message" and held.number not in waiting[held.key])
+                or (slot[0] == "ack" and receiver.record(held.identifier or "") is None)
+                or (slot[0] == "control" and not sender.has(held.key or ""))]
         with self._mutex:
             for box, slot in gone:
                 box.pop(slot, None)
+            for key in [k for k, box in self._boxes.items() if not box]:
+                del self._boxes[key]
 
     def waiting(self) -> dict[tuple[str | None, str], int]:
         """Messages held per (peer, WS-MC id), for /metrics and the log."""
@@ -186,7 +198,7 @@ class Poller:
             except Exception:  # the loop survives anything; the peer keeps what it holds
                 log.exception("polling %s failed", peer)
                 got, more = False, False
-            if more:
+            if more or (got and self.has_acks(peer)):  # more waits, or an acknowledgement to deliver
                 continue
             delay = limits.poll_interval_min if got else min(limits.poll_interval_max, delay * 2)
             stopping.wait(delay)
@@ -215,20 +227,38 @@ class Poller:
         except InvalidMessage as exc:
             log.warning("unreadable answer to a poll (HTTP %d) from %s: %s", reply.status, peer, exc)
             return False, False
-        if isinstance(message.body, SoapFault):
+        if isinstance(message.body, SoapFault) and message.sequence is None:  # (a fault *reply* has a Sequence)
             log.warning("%s refused a poll: %s", peer, message.body.reason)
             return False, False
-        found = node.settings.security.peer_for_url(peer)
-        answer = node.receiver.handle(message, None if found is None else found.name)
+        if isinstance(message.body, CreateSequence):  # a peer we poll cannot open sequences here
+            log.warning("%s answered a poll with a CreateSequence; ignored", peer)
+            return False, False
+        answer = node.receiver.handle(message, self._caller(peer, message))
         back = answer.envelope
         if back is not None and back.body is None and back.sequence is None and not back.ack_requests:
-            self._keep(peer, back.acks)  # on the next poll, which comes at once
+            self._keep(peer, back.acks)  # on the next poll
         elif back is not None:
             try:
                 node.transport.post(peer, wire(back), back.soap, back.addressing.action)
             except TransportError as exc:
                 log.debug("answer to a polled message not delivered to %s: %s", peer, exc)
         return True, bool(message.message_pending)
+
+    def _caller(self, peer: str, message: Envelope) -> str | None:
+        """Who sent ``message``: the answer comes from the peer we polled (its response is verified by the
+        transport), which is the owner recorded with the offered sequence it is about; for anything else, the
+        peer configured for that URL."""
+        identifier = message.sequence.identifier if message.sequence is not None else \
+            getattr(message.body, "identifier", None) or next((r.identifier for r in message.ack_requests), None)
+        info = self.node.receiver.info(identifier) if identifier else None
+        if info is not None and info.channel is not None:
+            return info.owner
+        found = self.node.settings.security.peer_for_url(peer)
+        return None if found is None else found.name
+
+    def has_acks(self, peer: str) -> bool:
+        with self._mutex:
+            return bool(self._acks.get(peer))
 
     def _keep(self, peer: str, acks: tuple[SequenceAcknowledgement, ...]) -> None:
         with self._mutex:

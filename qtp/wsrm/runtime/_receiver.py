@@ -72,6 +72,7 @@ from qtp.wsrm.protocol import (
     TimerFired,
     unknown_sequence,
 )
+from qtp.wsrm.runtime._security import is_loopback
 from qtp.wsrm.store import DestinationInfo, Incoming, SourceInfo
 
 if TYPE_CHECKING:
@@ -232,9 +233,12 @@ class Receiver:
         return self.fault(env, SoapFault("Sender", None, "this sequence belongs to another peer"), 403)
 
     def _may_name(self, caller: str | None, address: str) -> bool:
-        if mc_id(address) is not None:  # nothing is sent there: held for the caller's polls
-            return True
         security = self.node.settings.security
+        if mc_id(address) is not None:
+            # Nothing is sent there: held for the caller's polls. Anonymous callers share one identity, so
+            # one could fetch another's replies: only on a loopback node, or where anonymous_addresses says.
+            return caller is not None or security.anonymous_may_name(address, None) or \
+                is_loopback(self.node.settings.listen_host() or "")
         if caller is not None:
             peer = security.peers.get(caller)
             return peer is not None and peer.may_name(address)

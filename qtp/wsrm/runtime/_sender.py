@@ -636,6 +636,10 @@ class Sender:
         if key is not None:
             self.event(key, event)
 
+    def has(self, key: str) -> bool:
+        """Our RM Source sequence ``key`` is known (not yet forgotten)."""
+        return key in self._machines
+
     def unacknowledged(self, key: str) -> set[int]:
         """The numbers of our sequence ``key`` sent and not yet acknowledged."""
         machine = self._machines.get(key)

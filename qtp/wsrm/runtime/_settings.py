@@ -271,6 +271,9 @@ def check(settings: NodeSettings) -> None:
         if channel.acks_to == "endpoint" and settings.endpoint is None:
             raise ConfigurationError(f"[channels.{channel.name}] acks_to = \"endpoint\" needs [node] endpoint: "
                                      "acknowledgements come back to it")
+        if channel.peer.startswith("http://docs.oasis-open.org/ws-rx/wsmc/"):
+            raise ConfigurationError(f"[channels.{channel.name}] peer is a WS-MakeConnection anonymous address: "
+                                     "a channel needs the peer's real endpoint (http(s)://host:port/path)")
         if channel.reply and settings.endpoint is None and channel.wsrm is not RMVersion.WSRM11:
             raise ConfigurationError(f"[channels.{channel.name}] reply = true without [node] endpoint needs "
                                      "wsrm = \"1.1\": the replies are fetched with WS-MakeConnection, which "
