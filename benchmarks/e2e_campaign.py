@@ -70,7 +70,7 @@ def _pair(args: argparse.Namespace, pg: EmbeddedPostgres, maria: EmbeddedMariaDB
     return Pair(client_app, server_app, reply=args.reply, mode=args.mode, wsrm=args.wsrm, soap=args.soap,
                 proxy_port=free_port(), back_proxy_port=None if args.no_listen else free_port(),
                 limits="max_attempts = 1000", secret=secrets.token_urlsafe(32) if args.auth else None,
-                client_listens=not args.no_listen, **stores)
+                client_listens=not args.no_listen, acks_to=args.acks_to, **stores)
 
 
 def _count(url: str, query: str) -> int:
@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one-way", dest="reply", action="store_false", help="no replies")
     parser.add_argument("--no-listen", action="store_true",
                         help="the client has no endpoint and binds no port: it polls for replies (WS-MakeConnection)")
+    parser.add_argument("--acks-to", default="anonymous", choices=["anonymous", "endpoint", "poll"],
+                        help="the client channel's acks_to (poll: with --no-listen, acknowledgements fetched too)")
     parser.add_argument("--auth", action="store_true",
                         help="the nodes authenticate each other (signed requests, anonymous refused)")
     parser.add_argument("--wsrm", default="1.1")

@@ -55,12 +55,12 @@ SECRET = "makeconnection-pair-secret-0123456789ab"
 @pytest.fixture
 def polling_pair(pg_db, maria_db, run_pair):
     def make(send: int, secret: str | None = SECRET, rate: float = 0.0, server_extra: str = "", limits: str = "",
-             server_env: dict | None = None):
+             server_env: dict | None = None, acks_to: str = "anonymous"):
         client_app, server_app = pg_db("client"), maria_db("server")
         client_schema(client_app)
         server_schema(server_app)
         pair = Pair(client_app, server_app, reply=True, secret=secret, client_listens=False, server_extra=server_extra,
-                    limits=limits)
+                    limits=limits, acks_to=acks_to)
         client, server = run_pair(pair, send, rate, server_env)
         node = tomllib.loads(client.config.read_text())["node"]
         assert "endpoint" not in node and "listen" not in node
@@ -246,3 +246,15 @@ def test_anonymous_peers_offer_a_wsmc_endpoint_only_where_allowed(tmp_path, list
             assert isinstance(body, SequenceFault) and body.code is FaultCode.CREATE_SEQUENCE_REFUSED, body
     finally:
         tm.close()
+
+
+def test_a_client_without_endpoint_can_fetch_its_acknowledgements_too(polling_pair):
+    """``acks_to = "poll"``: the client names its WS-MC address as the AcksTo of its own sequence, the server
+    holds the acknowledgements (none on the responses) and the client fetches them with its polls."""
+    pair, client, server = polling_pair(send=30, acks_to="poll")
+    _finish(pair, 30)
+    infos = [json.loads(i) for (i,) in rows(pair.server_app, "SELECT info FROM qtp_rm_destination")]
+    assert [i["acks_to"] for i in infos if i.get("channel") is None] == [json.loads(
+        rows(pair.server_app, "SELECT info FROM qtp_rm_source")[0][0])["peer"]]  # the client's WS-MC address
+    wait_until(lambda: rows(pair.client_app, "SELECT COUNT(*) FROM qtp_rm_outgoing")[0][0] == 0, 30,
+               "the client's orders acknowledged (by polling)")

@@ -13,8 +13,8 @@ given again after ``retransmit_interval`` until it is acknowledged. The messages
 Entries belong to the peer that created the sequence: a poll from another peer for the same URI finds nothing.
 
 **Polling side (``Poller``).** A node without ``[node] endpoint`` offers its reply sequences at its own WS-MC
-URI (``mc_anonymous("urn:qtp:node:<node id>")``, the same after a restart) and polls each peer of its reply
-channels: at once while MessagePending says more wait, backing off to ``poll_interval_max`` while idle. A
+URI (``mc_anonymous("urn:qtp:node:<node id>")``, the same after a restart), names it as AcksTo on channels
+with ``acks_to = "poll"``, and polls each peer of those channels: at once while MessagePending says more wait, backing off to ``poll_interval_max`` while idle. A
 polled message goes through the receiver as if the peer had POSTed it (a CreateSequence is ignored: a peer we
 poll cannot open sequences here); the acknowledgement it produces rides on the next poll, sent at once, and
 any other answer (a TerminateSequenceResponse, a fault) is POSTed to the peer.
@@ -187,7 +187,7 @@ class Poller:
         self._mutex = threading.Lock()
 
     def peers(self) -> list[str]:
-        return sorted({c.peer for c in self.node.channels.values() if c.reply})
+        return sorted({c.peer for c in self.node.channels.values() if _polled(c)})
 
     def run(self, peer: str, stopping: threading.Event) -> None:
         limits = self.node.limits
@@ -206,7 +206,7 @@ class Poller:
     def poll(self, peer: str) -> tuple[bool, bool]:
         """One MakeConnection to ``peer``: (a message came, the peer says more wait)."""
         node = self.node
-        channel = next(c for c in node.channels.values() if c.reply and c.peer == peer)
+        channel = next(c for c in node.channels.values() if _polled(c) and c.peer == peer)
         wsa = channel.wsa
         with self._mutex:
             acks = tuple(self._acks.pop(peer, {}).values())
@@ -266,3 +266,7 @@ class Poller:
             for ack in acks:
                 kept[ack.identifier] = ack  # acknowledgements only grow: the newest covers the older
 
+
+def _polled(channel: Any) -> bool:
+    """A channel of a node without an endpoint whose replies or acknowledgements are fetched by polling."""
+    return channel.reply or channel.acks_to == "poll"

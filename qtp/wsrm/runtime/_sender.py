@@ -530,6 +530,8 @@ class Sender:
             acks_to = anonymous(_WSA[info.wsa])
             if channel is not None and channel.acks_to == "endpoint" and self.node.endpoint:
                 acks_to = self.node.endpoint
+            elif channel is not None and channel.acks_to == "poll" and self.node.mc_address:
+                acks_to = self.node.mc_address  # fetched with MakeConnection
             batch = self.limits.max_batch if channel is None or channel.batch else None
             body: Any = CreateSequence(acks_to, a.expires, offer, batch)
             message_id = create_message_id(key)
@@ -652,7 +654,7 @@ class Sender:
     def accepts_from(self, identifier: str, caller: str | None) -> bool:
         """May ``caller`` (a peer's name; None: anonymous) acknowledge, close or fault our outbound sequence
         ``identifier`` *in a request*? Only the sequence's own peer may, and only when the sequence asked for
-        acknowledgements by request (an addressable AcksTo, or an offered sequence); acknowledgements of a
+        acknowledgements by request (an addressable or WS-MC AcksTo, or an offered sequence); acknowledgements of a
         sequence with anonymous AcksTo come only on the responses to our own requests (``_exchange``)."""
         key = self.key_of(identifier)
         info = self._infos.get(key) if key is not None else None
@@ -661,7 +663,7 @@ class Sender:
         if info.route.startswith("offer:"):
             return info.owner == caller
         channel = self.node.channels.get(channel_name(info.route))
-        if channel is None or channel.acks_to != "endpoint":
+        if channel is None or channel.acks_to not in ("endpoint", "poll"):
             return False
         peer = self.node.settings.security.peer_for_url(channel.peer)
         return caller == (None if peer is None else peer.name)

@@ -114,7 +114,7 @@ class ChannelSettings:
     soap: SoapVersion = SoapVersion.SOAP12
     wsa: WsaVersion = WsaVersion.WSA200508
     reply: bool = False
-    acks_to: str = "anonymous"     # anonymous: acknowledgements on the HTTP response; endpoint: to our endpoint
+    acks_to: str = "anonymous"     # anonymous: on the HTTP response; endpoint: to our endpoint; poll: fetched (WS-MC)
     batch: bool = True             # offer qtp's batching extension (several messages per request)
     lanes: int = 1                 # sequences in parallel; tx.send(key=...) keeps one key's messages in one
 
@@ -191,8 +191,9 @@ def channel_settings(name: str, table: dict[str, Any], node_store: str | None) -
     if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
         raise ConfigurationError(f"{where} lanes must be a whole number from 1 to {MAX_LANES}, got {lanes!r}")
     acks_to = table.get("acks_to", "anonymous")
-    if acks_to not in ("anonymous", "endpoint"):
-        raise ConfigurationError(f"{where} acks_to must be \"anonymous\" (on the HTTP response) or \"endpoint\" "
+    if acks_to not in ("anonymous", "endpoint", "poll"):
+        raise ConfigurationError(f"{where} acks_to must be \"anonymous\" (on the HTTP response), \"poll\" (fetched "
+                                 "with WS-MakeConnection, for a node without an endpoint) or \"endpoint\" "
                                  "(sent to this node's endpoint)")
     return ChannelSettings(name=name, peer=_check_url(f"{where} peer", table["peer"]), store=store, mode=mode,
                            wsrm=wsrm, soap=_enum(f"{where} soap", SoapVersion, table.get("soap", "1.2")),
@@ -268,6 +269,10 @@ def check(settings: NodeSettings) -> None:
         raise ConfigurationError("[node] tls_client_ca asks peers for client certificates, which needs TLS: give "
                                  "tls_cert and tls_key")
     for channel in settings.channels.values():
+        if channel.acks_to == "poll" and (settings.endpoint is not None or channel.wsrm is not RMVersion.WSRM11):
+            raise ConfigurationError(f"[channels.{channel.name}] acks_to = \"poll\" is for a node without [node] "
+                                     "endpoint, with wsrm = \"1.1\": its acknowledgements are then fetched with "
+                                     "WS-MakeConnection")
         if channel.acks_to == "endpoint" and settings.endpoint is None:
             raise ConfigurationError(f"[channels.{channel.name}] acks_to = \"endpoint\" needs [node] endpoint: "
                                      "acknowledgements come back to it")

@@ -60,8 +60,9 @@ def run_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    where = node.endpoint or (f"no endpoint, polls for replies as {node.mc_address}"
-                              if any(c.reply for c in node.channels.values()) else "no endpoint: sending only")
+    polls = any(c.reply or c.acks_to == "poll" for c in node.channels.values())
+    where = node.endpoint or (f"no endpoint, polls for replies as {node.mc_address}" if polls
+                              else "no endpoint: sending only")
     print(f"qtp serve: node {node.manager.node_id} at {where}; "
           f"channels {', '.join(sorted(node.channels)) or 'none'}; handlers {len(node.handlers)}", flush=True)
     while not stop.wait(1.0):
