@@ -35,11 +35,12 @@ def test_small_xa_campaign_is_exactly_once(tmp_path):
 
 
 def test_small_xa_campaign_with_a_client_that_cannot_listen_is_exactly_once(tmp_path):
-    """Issue 23: the client has no endpoint (the campaign checks it binds no port) and fetches its replies
-    with WS-MakeConnection through the lossy proxy; kills of both nodes and both databases; authenticated."""
+    """Issue 23: the client has no endpoint (the campaign checks it binds no port) and fetches its replies and
+    its acknowledgements with WS-MakeConnection through the lossy proxy; kills of both nodes and both
+    databases; authenticated."""
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, str(CAMPAIGN), "--mode", "xa", "--messages", "200", "--kills", "10",
-                           "--loss", "0.1", "--seed", "23", "--no-listen", "--auth", "--root", str(tmp_path / "db"),
+                           "--loss", "0.1", "--seed", "23", "--no-listen", "--acks-to", "poll", "--auth", "--root", str(tmp_path / "db"),
                            "--out", str(out), "--drain-s", "300", "--stop-databases"],
                           capture_output=True, text=True, timeout=1500)
     assert "the client listens on no port" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
