@@ -12,42 +12,36 @@ import re
 import subprocess
 import sys
 import tomllib
-
 import uuid
-from dataclasses import replace
 
 import pytest
 import requests
 
-from qtp.wsrm.codec import (
-    MAKE_CONNECTION_ACTION,
-    MISSING_SELECTION,
-    UNSUPPORTED_SELECTION,
-    Addressing,
-    Envelope,
-    MakeConnection,
-    SoapVersion,
-    WsaVersion,
-    anonymous,
-    decode,
-    default_action,
-    encode,
-    mc_anonymous,
-    mc_id,
-)
-from qtp.wsrm.protocol import CreateSequence, CreateSequenceResponse, RMVersion, Sequence
-from qtp.wsrm.runtime._security import HEADER, sign_request
-from qtp.wsrm.runtime._transport import content_type
 from qtp.testing.nodes import (
     Pair,
     check_exactly_once,
     client_schema,
     counter,
     listening_ports,
+    post_as,
+    request,
     rows,
     server_schema,
     wait_until,
 )
+from qtp.wsrm.codec import (
+    MISSING_SELECTION,
+    UNSUPPORTED_SELECTION,
+    Envelope,
+    MakeConnection,
+    WsaVersion,
+    anonymous,
+    decode,
+    encode,
+    mc_anonymous,
+    mc_id,
+)
+from qtp.wsrm.protocol import CreateSequence, CreateSequenceResponse, Sequence
 
 SECRET = "makeconnection-pair-secret-0123456789ab"
 
@@ -127,19 +121,13 @@ MALLORY = "mallory-secret-for-polls-0123456789abcdef"
 
 
 def _poll_bytes(url: str, poll: MakeConnection) -> bytes:
-    wsa = WsaVersion.WSA200508
-    return encode(Envelope(soap=SoapVersion.SOAP12, rm=RMVersion.WSRM11, wsa=wsa, body=poll, addressing=Addressing(
-        action=MAKE_CONNECTION_ACTION, to=url, message_id=f"urn:uuid:{uuid.uuid4()}", reply_to=anonymous(wsa))))
+    return encode(request(poll, to=url))
 
 
-def _poll(url: str, body: MakeConnection | bytes, as_peer: str | None = "mallory") -> requests.Response:
-    """POST a MakeConnection (or raw bytes) to the server, signed as ``as_peer`` (None: anonymous)."""
-    if isinstance(body, MakeConnection):
-        body = _poll_bytes(url, body)
-    headers = {"Content-Type": content_type(SoapVersion.SOAP12, MAKE_CONNECTION_ACTION)}
-    if as_peer is not None:
-        headers[HEADER] = sign_request(MALLORY.encode(), as_peer, "POST", "/rm", body)
-    return requests.post(url, data=body, headers=headers, timeout=10)
+def _poll(url: str, body: MakeConnection | Envelope | bytes, as_peer: str | None = "mallory") -> requests.Response:
+    """POST a MakeConnection (or another request, or raw bytes) to the server, signed as ``as_peer`` (None:
+    anonymous)."""
+    return post_as(url, request(body, to=url) if isinstance(body, MakeConnection) else body, as_peer, MALLORY)
 
 
 def test_polls_for_another_peers_client_or_without_selection_get_nothing(polling_pair):
@@ -174,21 +162,15 @@ def test_acknowledgements_for_a_wsmc_acks_to_are_fetched_by_address_or_by_sequen
     acknowledgement on the response; it fetches it with MakeConnection, by that address or by the sequence's
     identifier, and a poll that finds nothing more gets 202."""
     pair, client, server = polling_pair(send=1, server_extra=f'\n[peers.mallory]\nsecret = "{MALLORY}"\n')
-    url, wsa = f"http://127.0.0.1:{server.port}/rm", WsaVersion.WSA200508
+    url = f"http://127.0.0.1:{server.port}/rm"
     address = mc_anonymous(f"urn:uuid:{uuid.uuid4()}")
 
     def post(envelope: Envelope) -> requests.Response:
-        return _poll(url, encode(envelope))
+        return _poll(url, envelope)
 
-    def envelope(**kw) -> Envelope:
-        env = Envelope(soap=SoapVersion.SOAP12, rm=RMVersion.WSRM11, wsa=wsa, addressing=Addressing(
-            action=kw.pop("action", None), to=url, message_id=f"urn:uuid:{uuid.uuid4()}", reply_to=anonymous(wsa)),
-            **kw)
-        return replace(env, addressing=replace(env.addressing, action=env.addressing.action or default_action(env)))
-
-    created = decode(post(envelope(body=CreateSequence(address))).content).body
+    created = decode(post(request(CreateSequence(address), to=url)).content).body
     assert isinstance(created, CreateSequenceResponse), created
-    sent = post(envelope(sequence=Sequence(created.identifier, 1), payload=b'<order xmlns="urn:test" k="900001"/>',
+    sent = post(request(to=url, sequence=Sequence(created.identifier, 1), payload=b'<order xmlns="urn:test" k="900001"/>',
                          action="urn:test:apply"))
     assert sent.status_code == 202 and not sent.content  # no acknowledgement on the response: it is held
     by_identifier = _poll(url, MakeConnection(identifier=created.identifier))
@@ -196,7 +178,7 @@ def test_acknowledgements_for_a_wsmc_acks_to_are_fetched_by_address_or_by_sequen
     (ack,) = decode(by_identifier.content).acks
     assert ack.identifier == created.identifier and ack.ranges == ((1, 1),)
     assert _poll(url, MakeConnection(address)).status_code == 202  # given once: nothing more waits
-    post(envelope(sequence=Sequence(created.identifier, 2), payload=b'<order xmlns="urn:test" k="900002"/>',
+    post(request(to=url, sequence=Sequence(created.identifier, 2), payload=b'<order xmlns="urn:test" k="900002"/>',
                   action="urn:test:apply"))
     by_address = decode(_poll(url, MakeConnection(address)).content)
     assert by_address.acks[0].ranges == ((1, 2),) and by_address.message_pending is False
@@ -233,12 +215,8 @@ def test_anonymous_peers_offer_a_wsmc_endpoint_only_where_allowed(tmp_path, list
     node = Node(tm, NodeSettings(endpoint=f"http://127.0.0.1:{port}/rm", listen=(listen, port), mode="memory",
                                  security=Security(allow_anonymous=True, anonymous_addresses=anonymous_addresses)))
     try:
-        wsa = WsaVersion.WSA200508
         offer = Offer(f"urn:uuid:{uuid.uuid4()}", endpoint=mc_anonymous(f"urn:uuid:{uuid.uuid4()}"))
-        create = Envelope(soap=SoapVersion.SOAP12, rm=RMVersion.WSRM11, wsa=wsa, body=CreateSequence(
-            anonymous(wsa), offer=offer), addressing=Addressing(to=node.endpoint, message_id="urn:uuid:1",
-                                                               reply_to=anonymous(wsa)))
-        create = replace(create, addressing=replace(create.addressing, action=default_action(create)))
+        create = request(CreateSequence(anonymous(WsaVersion.WSA200508), offer=offer), to=node.endpoint)
         body = node.receiver.handle(create, None).envelope.body
         if accepted:
             assert isinstance(body, CreateSequenceResponse) and body.accept_acks_to is not None, body

@@ -9,7 +9,6 @@ What each attack did before the fix is in the module's git history and in docs/s
 
 from __future__ import annotations
 
-import dataclasses
 import http.server
 import json
 import os
@@ -31,19 +30,19 @@ from qtp.testing.nodes import (
     Pair,
     check_exactly_once,
     client_schema,
+    post_as,
+    request,
     rows,
     server_schema,
     wait_until,
 )
 from qtp.wsrm.codec import (
-    Addressing,
     Envelope,
     SoapFault,
     SoapVersion,
     WsaVersion,
     anonymous,
     decode,
-    default_action,
     encode,
 )
 from qtp.wsrm.protocol import (
@@ -52,13 +51,11 @@ from qtp.wsrm.protocol import (
     CreateSequenceResponse,
     FaultCode,
     Offer,
-    RMVersion,
     Sequence,
     SequenceAcknowledgement,
     SequenceFault,
     TerminateSequence,
 )
-from qtp.wsrm.runtime._security import HEADER, sign_request
 from qtp.wsrm.runtime._transport import Transport, content_type
 
 SECRET = "honest-pair-secret-0123456789abcdefghij"
@@ -117,25 +114,11 @@ def hostile(pg_db, maria_db, trap, run_pair):
     return make
 
 
-def _env(body=None, message_id: str | None = None, reply_to: str = ANON, **kw) -> Envelope:
-    addressing = Addressing(action=kw.pop("action", None), to="http://x/rm",
-                            message_id=message_id or f"urn:uuid:{uuid.uuid4()}", reply_to=reply_to)
-    envelope = Envelope(soap=SoapVersion.SOAP12, rm=RMVersion.WSRM11, wsa=WSA, addressing=addressing, body=body, **kw)
-    if envelope.addressing.action is None:
-        envelope = dataclasses.replace(envelope, addressing=dataclasses.replace(addressing,
-                                                                                action=default_action(envelope)))
-    return envelope
-
-
 def _post(url: str, envelope: Envelope | bytes, as_peer: str | None = "mallory",
           secret: str = MALLORY) -> tuple[int, bytes]:
     """POST as ``as_peer`` (signed with ``secret``) or anonymously (None)."""
-    body = envelope if isinstance(envelope, bytes) else encode(envelope)
-    headers = {"Content-Type": content_type(SoapVersion.SOAP12, None)}
-    if as_peer is not None:
-        headers[HEADER] = sign_request(secret.encode(), as_peer, "POST", "/rm", body)
-    r = requests.post(url, data=body, headers=headers, timeout=10)
-    return r.status_code, r.content
+    answer = post_as(url, envelope, as_peer, secret)
+    return answer.status_code, answer.content
 
 
 def _answer(content: bytes) -> Envelope:
@@ -178,7 +161,7 @@ def test_a_forged_acknowledgement_loses_no_committed_message(hostile):
     waiting = rows(pair.client_app, "SELECT COUNT(*) FROM qtp_rm_outgoing")[0][0]
     wait_until(lambda: rows(pair.client_app, "SELECT MAX(number) FROM qtp_rm_outgoing")[0][0], 30, "numbered")
     top = rows(pair.client_app, "SELECT MAX(number) FROM qtp_rm_outgoing")[0][0]  # exactly what was sent
-    forged = _env(acks=(SequenceAcknowledgement(identifier, ((1, top),)),))
+    forged = request(acks=(SequenceAcknowledgement(identifier, ((1, top),)),))
     status, _ = _post(_url(client), forged, as_peer=None)
     assert status == 401  # anonymous: not even read
     status, body = _post(_url(client), forged)  # mallory: authenticated, but not the server
@@ -197,9 +180,9 @@ def test_another_peers_sequence_cannot_be_used_ended_or_taken_over(hostile):
     identifier = _client_sequence(pair)
     before = _applied(pair)
     attempts = [
-        _env(sequence=Sequence(identifier, 10_000), payload=b"<o xmlns='urn:test' k='999999'/>", action=ACTION),
-        _env(ack_requests=(AckRequested(identifier),)),
-        _env(TerminateSequence(identifier)),
+        request(sequence=Sequence(identifier, 10_000), payload=b"<o xmlns='urn:test' k='999999'/>", action=ACTION),
+        request(ack_requests=(AckRequested(identifier),)),
+        request(TerminateSequence(identifier)),
     ]
     for envelope in attempts:
         status, body = _post(_url(server), envelope)
@@ -207,7 +190,7 @@ def test_another_peers_sequence_cannot_be_used_ended_or_taken_over(hostile):
     (info,) = [i for (i,) in rows(pair.server_app, f"SELECT info FROM qtp_rm_destination WHERE identifier = "
                                                    f"'{identifier}'")]
     create_id = json.loads(info)["create_message_id"]
-    status, body = _post(_url(server), _env(CreateSequence(ANON), message_id=create_id))
+    status, body = _post(_url(server), request(CreateSequence(ANON), message_id=create_id))
     assert status == 200
     assert _answer(body).body.identifier != identifier  # a sequence of its own, not the client's
     assert rows(pair.server_app, "SELECT COUNT(*) FROM applied WHERE k = 999999")[0][0] == 0
@@ -229,11 +212,11 @@ def test_another_peer_sending_a_victims_message_ids_first_does_not_make_them_dup
     try:
         seen = [m for (m,) in rows(pair.client_app, "SELECT message_id FROM qtp_rm_outgoing")]
         server.start()
-        status, body = _post(_url(server), _env(CreateSequence(ANON)))
+        status, body = _post(_url(server), request(CreateSequence(ANON)))
         identifier = _answer(body).body.identifier
         for number, message_id in enumerate(seen, 1):
             order = f'<order xmlns="urn:test" k="{7_000_000 + number}"/>'.encode()
-            status, body = _post(_url(server), _env(sequence=Sequence(identifier, number), payload=order,
+            status, body = _post(_url(server), request(sequence=Sequence(identifier, number), payload=order,
                                                     action=ACTION, message_id=message_id))
             assert status in (200, 202), body
         wait_until(lambda: rows(pair.server_app, "SELECT COUNT(*) FROM applied WHERE k >= 7000000")[0][0]
@@ -251,20 +234,20 @@ def test_a_node_sends_only_to_its_peers_addresses(hostile, trap):
     """Attack 2 (SSRF and reflection): AcksTo, ReplyTo and the Offer's Endpoint aimed at another service."""
     pair, client, server = hostile(send=10)
     elsewhere = f"http://127.0.0.1:{client.port + 1}/internal"
-    for create in (_env(CreateSequence(elsewhere)),
-                   _env(CreateSequence(ANON), reply_to=elsewhere),
-                   _env(CreateSequence(ANON, offer=Offer(f"urn:uuid:{uuid.uuid4()}", endpoint=elsewhere)))):
+    for create in (request(CreateSequence(elsewhere)),
+                   request(CreateSequence(ANON), reply_to=elsewhere),
+                   request(CreateSequence(ANON, offer=Offer(f"urn:uuid:{uuid.uuid4()}", endpoint=elsewhere)))):
         status, body = _post(_url(server), create)
         answer = _answer(body)
         assert isinstance(answer.body, SequenceFault), body
         assert answer.body.code is FaultCode.CREATE_SEQUENCE_REFUSED and "not an address of this peer" in \
             answer.body.reason
-    status, body = _post(_url(server), _env(CreateSequence(elsewhere)), as_peer=None)
+    status, body = _post(_url(server), request(CreateSequence(elsewhere)), as_peer=None)
     assert status == 401
     # mallory's own address is fine: acknowledgements of a gapped message go there, and only there
-    status, body = _post(_url(server), _env(CreateSequence(trap.url)))
+    status, body = _post(_url(server), request(CreateSequence(trap.url)))
     identifier = _answer(body).body.identifier
-    status, _ = _post(_url(server), _env(sequence=Sequence(identifier, 3), payload=b"<o xmlns='urn:test' k='-1'/>",
+    status, _ = _post(_url(server), request(sequence=Sequence(identifier, 3), payload=b"<o xmlns='urn:test' k='-1'/>",
                                          action=ACTION))
     assert status == 202
     wait_until(lambda: trap.hits, 10, "the acknowledgement at mallory's own AcksTo")
@@ -277,7 +260,7 @@ def test_an_offer_identifier_in_use_is_refused(hostile, trap):
     wait_until(lambda: rows(pair.client_app, "SELECT COUNT(*) FROM replies")[0][0] >= 3, 60, "the first replies")
     (offered,) = [json.loads(r)["route"][len("offer:"):] for (r,) in
                   rows(pair.server_app, "SELECT info FROM qtp_rm_source") if "offer:" in r][:1]
-    status, body = _post(_url(server), _env(CreateSequence(trap.url, offer=Offer(offered, endpoint=trap.url))))
+    status, body = _post(_url(server), request(CreateSequence(trap.url, offer=Offer(offered, endpoint=trap.url))))
     answer = _answer(body)
     assert isinstance(answer.body, SequenceFault) and answer.body.code is FaultCode.CREATE_SEQUENCE_REFUSED
     assert "in use" in answer.body.reason
@@ -290,7 +273,7 @@ def test_one_peer_cannot_exhaust_what_another_needs(hostile):
     pair, client, server = hostile(send=30, rate=10, limits="max_sequences_per_peer = 4\nmax_gap = 64")
     created = []
     for _ in range(6):
-        status, body = _post(_url(server), _env(CreateSequence(ANON)))
+        status, body = _post(_url(server), request(CreateSequence(ANON)))
         answer = _answer(body)
         if isinstance(answer.body, CreateSequenceResponse):
             created.append(answer.body.identifier)
@@ -298,10 +281,10 @@ def test_one_peer_cannot_exhaust_what_another_needs(hostile):
             assert answer.body.code is FaultCode.CREATE_SEQUENCE_REFUSED and "max_sequences_per_peer" in \
                 answer.body.reason
     assert len(created) == 4
-    status, body = _post(_url(server), _env(sequence=Sequence(created[0], 1), payload=b"<o xmlns='urn:x'/>",
+    status, body = _post(_url(server), request(sequence=Sequence(created[0], 1), payload=b"<o xmlns='urn:x'/>",
                                             action="urn:nobody:handles-this"))
     assert status == 400 and "no handler" in _answer(body).body.reason
-    status, body = _post(_url(server), _env(sequence=Sequence(created[1], 65), payload=b"<o xmlns='urn:test' k='1'/>",
+    status, body = _post(_url(server), request(sequence=Sequence(created[1], 65), payload=b"<o xmlns='urn:test' k='1'/>",
                                             action=ACTION))
     assert status == 400 and "more than 64 above" in _answer(body).body.reason
     assert not rows(pair.server_app, f"SELECT number FROM qtp_rm_incoming WHERE identifier IN "
@@ -330,7 +313,7 @@ def test_concurrent_create_sequences_all_succeed_on_mariadb(hostile):
 
     def create(n: int) -> None:
         for _ in range(n):
-            statuses.append(_post(_url(server), _env(CreateSequence(ANON)))[0])
+            statuses.append(_post(_url(server), request(CreateSequence(ANON)))[0])
 
     threads = [threading.Thread(target=create, args=(150,)) for _ in range(8)]
     for t in threads:
@@ -362,13 +345,13 @@ def test_poison_identifiers_are_refused_at_decode_and_faults_leak_no_sql(hostile
     """Attacks 5 and 6: identifiers longer than the store holds used to reach the database (503 with the
     INSERT and its parameters, for ever)."""
     pair, client, server = hostile(send=10)
-    status, body = _post(_url(server), _env(CreateSequence(ANON)))
+    status, body = _post(_url(server), request(CreateSequence(ANON)))
     identifier = _answer(body).body.identifier
     long_id = "urn:x:" + "a" * 300
-    for envelope in (_env(sequence=Sequence(identifier, 1), payload=b"<o xmlns='urn:test' k='7'/>", action=ACTION,
+    for envelope in (request(sequence=Sequence(identifier, 1), payload=b"<o xmlns='urn:test' k='7'/>", action=ACTION,
                           message_id=long_id),
-                     _env(CreateSequence(ANON, offer=Offer(long_id, endpoint=ANON))),
-                     _env(CreateSequence("http://h/" + "p" * 5000))):
+                     request(CreateSequence(ANON, offer=Offer(long_id, endpoint=ANON))),
+                     request(CreateSequence("http://h/" + "p" * 5000))):
         status, body = _post(_url(server), envelope)
         assert status == 400, (status, body[:300])
         fault = _answer(body).body
@@ -391,8 +374,8 @@ def test_metrics_and_health_answer_on_their_exact_paths_only(hostile):
 
 def test_refusals_are_counted_in_metrics(hostile):
     pair, client, server = hostile(send=5)
-    _post(_url(server), _env(CreateSequence(ANON)), as_peer=None)
-    _post(_url(server), _env(CreateSequence(ANON)), as_peer="mallory", secret="wrong-" + MALLORY)
+    _post(_url(server), request(CreateSequence(ANON)), as_peer=None)
+    _post(_url(server), request(CreateSequence(ANON)), as_peer="mallory", secret="wrong-" + MALLORY)
     text = requests.get(f"http://127.0.0.1:{server.port}/metrics", timeout=5).text
     line = next(x for x in text.splitlines() if x.startswith("qtp_requests_refused_total") and "unauthenticated" in x)
     assert float(line.rsplit(" ", 1)[1]) == 2.0
@@ -511,7 +494,7 @@ def test_tls_with_client_certificates_carries_orders_and_refuses_strangers(tmp_p
     c_proc = None
     try:
         url = f"https://127.0.0.1:{pair.server_port}/rm"
-        body = encode(_env(CreateSequence(ANON)))
+        body = encode(request(CreateSequence(ANON)))
         headers = {"Content-Type": content_type(SoapVersion.SOAP12, None)}
         # no client certificate: a stranger
         assert requests.post(url, data=body, headers=headers, verify=str(certs["ca.pem"]), timeout=10).status_code == 401

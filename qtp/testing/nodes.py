@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import requests
@@ -16,6 +17,10 @@ import sqlalchemy as sa
 from sqlalchemy import text
 
 from qtp.embedded import free_port
+from qtp.wsrm.codec import Addressing, Envelope, SoapVersion, WsaVersion, anonymous, default_action, encode
+from qtp.wsrm.protocol import RMVersion
+from qtp.wsrm.runtime._security import HEADER, sign_request
+from qtp.wsrm.runtime._transport import content_type
 
 
 
@@ -231,6 +236,29 @@ def listening_ports(pid: int) -> list[int]:
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                 ports.append(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
+
+
+def request(body: object = None, *, to: str = "http://x/rm", message_id: str | None = None,
+            reply_to: str | None = None, action: str | None = None, **fields: object) -> Envelope:
+    """A request as a hand-made client writes it (SOAP 1.2, WS-RM 1.1, WS-Addressing 2005/08): a fresh
+    MessageID, ReplyTo anonymous, and the Action its body or headers call for unless ``action`` is given."""
+    wsa = WsaVersion.WSA200508
+    envelope = Envelope(soap=SoapVersion.SOAP12, rm=RMVersion.WSRM11, wsa=wsa, body=body, **fields,  # type: ignore[arg-type]
+                        addressing=Addressing(action=action, to=to, message_id=message_id or f"urn:uuid:{uuid.uuid4()}",
+                                              reply_to=reply_to or anonymous(wsa)))
+    if action is None:
+        envelope = replace(envelope, addressing=replace(envelope.addressing, action=default_action(envelope)))
+    return envelope
+
+
+def post_as(url: str, message: Envelope | bytes, peer: str | None, secret: str) -> requests.Response:
+    """POST a SOAP 1.2 request (an envelope, or bytes as they are) signed as ``peer`` with ``secret``, or
+    anonymously (``peer`` None)."""
+    body = message if isinstance(message, bytes) else encode(message)
+    headers = {"Content-Type": content_type(SoapVersion.SOAP12, None)}
+    if peer is not None:
+        headers[HEADER] = sign_request(secret.encode(), peer, "POST", "/rm", body)
+    return requests.post(url, data=body, headers=headers, timeout=10)
 
 
 def counter(url: str, name: str) -> float | None:

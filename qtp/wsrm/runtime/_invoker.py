@@ -398,9 +398,8 @@ class Invoker:
             if key in seen:
                 log.warning("message %s (%s #%d) was applied before, under another sequence; consumed, not "
                             "applied again", m.message_id, m.identifier, m.number)
-        fresh = [m for m, key in zip(messages, keys) if key not in seen]
-        self.store.remember_applied(session, [key for key, m in zip(keys, messages) if key not in seen], time.time())
-        return fresh
+        self.store.remember_applied(session, [key for key in keys if key not in seen], time.time())
+        return [m for m, key in zip(messages, keys) if key not in seen]
 
     def _write(self, session: Any, method: str, *args: Any) -> None:
         if isinstance(session, Buffered):

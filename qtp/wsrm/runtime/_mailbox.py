@@ -6,18 +6,19 @@ for replies (or as an AcksTo). What this node would POST there is held here inst
 owns the sequence and the URI's id: the sender's messages of that sequence, and the latest acknowledgement of
 an inbound sequence whose AcksTo is such a URI. Each MakeConnection from that peer takes one (the lowest
 message number, with the acknowledgements riding along; then lone acknowledgements), with MessagePending
-saying whether more wait. A message given out is
-given again after ``retransmit_interval`` until it is acknowledged. The messages themselves stay in the store
-(``qtp_rm_outgoing``) until acknowledged: after a restart the sender's timers hold them here again.
+saying whether more wait. A message given out is given again after ``retransmit_interval`` until it is
+acknowledged. The messages themselves stay in the store (``qtp_rm_outgoing``) until acknowledged: after a
+restart the sender's timers hold them here again.
 
 Entries belong to the peer that created the sequence: a poll from another peer for the same URI finds nothing.
 
 **Polling side (``Poller``).** A node without ``[node] endpoint`` offers its reply sequences at its own WS-MC
 URI (``mc_anonymous("urn:qtp:node:<node id>")``, the same after a restart), names it as AcksTo on channels
-with ``acks_to = "poll"``, and polls each peer of those channels: at once while MessagePending says more wait, backing off to ``poll_interval_max`` while idle. A
-polled message goes through the receiver as if the peer had POSTed it (a CreateSequence is ignored: a peer we
-poll cannot open sequences here); the acknowledgement it produces rides on the next poll, sent at once, and
-any other answer (a TerminateSequenceResponse, a fault) is POSTed to the peer.
+with ``acks_to = "poll"``, and polls each peer of those channels: at once while MessagePending says more
+wait, backing off to ``poll_interval_max`` while idle. A polled message goes through the receiver as if the
+peer had POSTed it (a CreateSequence is ignored: a peer we poll cannot open sequences here); the
+acknowledgement it produces rides on the next poll, sent at once, and any other answer (a
+TerminateSequenceResponse, a fault) is POSTed to the peer.
 """
 
 from __future__ import annotations
@@ -79,14 +80,13 @@ class Mailbox:
 
     def hold(self, owner: str | None, client: str, envelope: Envelope, key: str | None = None) -> None:
         """Keep ``envelope`` for ``client`` (a WS-MC id) of peer ``owner``, replacing an older copy of it."""
+        identifier = _about(envelope)
         if envelope.sequence is not None:
             slot: tuple[Any, ...] = ("message", key, envelope.sequence.number)
-            held = _Held(envelope, envelope.sequence.identifier, key, envelope.sequence.number)
+            held = _Held(envelope, identifier, key, envelope.sequence.number)
         elif envelope.acks and envelope.body is None:
-            slot, held = ("ack", envelope.acks[0].identifier), _Held(envelope, envelope.acks[0].identifier)
+            slot, held = ("ack", identifier), _Held(envelope, identifier)
         else:
-            identifier = getattr(envelope.body, "identifier", None) or \
-                next((r.identifier for r in envelope.ack_requests), None)
             slot, held = ("control", key, type(envelope.body).__name__), _Held(envelope, identifier, key)
         with self._mutex:
             box = self._boxes.setdefault((owner, client), {})
@@ -248,8 +248,7 @@ class Poller:
         """Who sent ``message``: the answer comes from the peer we polled (its response is verified by the
         transport), which is the owner recorded with the offered sequence it is about; for anything else, the
         peer configured for that URL."""
-        identifier = message.sequence.identifier if message.sequence is not None else \
-            getattr(message.body, "identifier", None) or next((r.identifier for r in message.ack_requests), None)
+        identifier = _about(message)
         info = self.node.receiver.info(identifier) if identifier else None
         if info is not None and info.channel is not None:
             return info.owner
@@ -265,6 +264,15 @@ class Poller:
             kept = self._acks.setdefault(peer, {})
             for ack in acks:
                 kept[ack.identifier] = ack  # acknowledgements only grow: the newest covers the older
+
+
+def _about(envelope: Envelope) -> str | None:
+    """The sequence an envelope is about: its Sequence header's, its body's (Close, Terminate, a fault), its
+    AckRequested's, or (an acknowledgement alone) its first acknowledgement's."""
+    if envelope.sequence is not None:
+        return envelope.sequence.identifier
+    return getattr(envelope.body, "identifier", None) or next(
+        (h.identifier for h in (*envelope.ack_requests, *envelope.acks)), None)
 
 
 def _polled(channel: Any) -> bool:
