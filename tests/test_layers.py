@@ -31,6 +31,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "wsrm.store": frozenset({"errors", "wsrm.protocol"}),
     "wsrm.runtime": frozenset({"errors", "config", "xa", "coordinator", "wsrm.protocol", "wsrm.codec", "wsrm.store",
                                "_render"}),
+    "coupled": frozenset({"errors", "xa", "coordinator", "wsrm.store", "wsrm.runtime", "_render"}),
     "reconcile": frozenset({"errors"}),
     "embedded": frozenset({"errors"}),
     "_render": frozenset({"errors", "config"}),

@@ -180,8 +180,10 @@ class TransactionManager:
 
     # ------------------------------------------------------------------ transactions
 
-    def begin(self, timeout: float | None = None) -> Transaction:
-        """Start a transaction on this thread (prefer ``with manager.transaction()``)."""
+    def begin(self, timeout: float | None = None, gtrid: bytes | None = None) -> Transaction:
+        """Start a transaction on this thread (prefer ``with manager.transaction()``). ``gtrid``: another global
+        id than a fresh one of this node (a subordinate of another node's transaction, see
+        ``Transaction.prepare_subordinate``)."""
         if self._closed:
             raise ConfigurationError(f"transaction manager {self.node_id!r} is closed")
         if self.log.failed:
@@ -197,7 +199,7 @@ class TransactionManager:
                 f"this thread already runs transaction {current.xid}; qtp transactions do not nest: do the work "
                 "inside the existing `with qtp.transaction()` block"
             )
-        tx = Transaction(self, timeout if timeout is not None else self.timeout)
+        tx = Transaction(self, timeout if timeout is not None else self.timeout, gtrid)
         with self._in_flight_lock:
             self._in_flight[tx.xid] = tx
             if self._reaper is None:

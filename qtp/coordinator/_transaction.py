@@ -149,9 +149,9 @@ class Branch:
 class Transaction:
     """A global transaction. Use it through ``with qtp.transaction() as tx`` (or ``manager.transaction()``)."""
 
-    def __init__(self, manager: "TransactionManager", timeout: float):
+    def __init__(self, manager: "TransactionManager", timeout: float, gtrid: bytes | None = None):
         self.manager = manager
-        self.gtrid = manager.gtrid_prefix + os.urandom(16).hex().encode()
+        self.gtrid = gtrid or manager.gtrid_prefix + os.urandom(16).hex().encode()
         self.deadline = time.monotonic() + timeout
         self.timeout = timeout
         self.state = State.ACTIVE  # changed only by _fire
@@ -160,6 +160,8 @@ class Transaction:
         self._branches: dict[int, Branch] = {}  # id(resource) -> branch
         self._sessions: dict[str, tuple[Session, dict[str, Any]]] = {}  # name -> (session, its options)
         self._on_commit: list[Callable[[], None]] = []
+        self._before_commit: list[Callable[["Transaction"], None]] = []
+        self._on_rollback: list[Callable[[], None]] = []
         self._handed_over = False  # the background phase-2 retry finishes it (and ends it in the manager)
         self._last: Branch | None = None  # the last resource, once its COMMIT made the decision (LLR)
         self._last_commit_sent: Branch | None = None  # the last resource, once its COMMIT may be on its way
@@ -252,6 +254,20 @@ class Transaction:
         self._check_active("register an on-commit callback")
         self._on_commit.append(callback)
 
+    def before_commit(self, callback: Callable[["Transaction"], None]) -> None:
+        """Call ``callback(tx)`` when the application commits, before the sessions are flushed and the
+        branches asked to vote, while the transaction is still active: it may do more work in it (enlist,
+        write), wait for something, or raise to roll the transaction back (RollbackError says why). This is
+        *Phase 0* of the coupled transactions (``qtp.coupled``): their conditions are checked here."""
+        self._check_active("register a before-commit callback")
+        self._before_commit.append(callback)
+
+    def on_rollback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once the transaction is rolled back (for whatever reason); never after a
+        commit or when the outcome is unknown. Its errors are logged, not raised."""
+        self._check_active("register an on-rollback callback")
+        self._on_rollback.append(callback)
+
     def send(self, channel: str, payload: bytes, action: str, message_id: str | None = None,
              key: str | None = None) -> str:
         """Enqueue a message on ``channel``, atomically with this transaction; returns its MessageID.
@@ -293,11 +309,14 @@ class Transaction:
         self._check_active("commit")
         try:
             try:
+                self._run_before_commit()
                 for session, _ in self._sessions.values():
                     session.commit()  # flushes and releases the session's savepoint; the branch stays open
             except BaseException as exc:
                 self._roll_back_all(Event.ROLLBACK)
                 if not isinstance(exc, Exception):
+                    raise
+                if isinstance(exc, RollbackError):
                     raise
                 raise RollbackError(f"transaction {self.xid} rolled back: flushing a session failed: {exc}") \
                     from exc
@@ -313,10 +332,64 @@ class Transaction:
         if self._on_commit:
             self._run_on_commit()
 
+    def _run_before_commit(self) -> None:
+        while self._before_commit:  # a callback may register another
+            callback = self._before_commit.pop(0)
+            try:
+                callback(self)
+            except RollbackError:
+                raise
+            except Exception as exc:
+                raise RollbackError(f"transaction {self.xid} rolled back: a before-commit step failed: {exc}") \
+                    from exc
+
     def _done(self) -> None:
         """Tell the manager once the transaction has an outcome (when handed to the retry, the retry does)."""
         if self.state in FINAL and not self._handed_over:
             self.manager.finished(self)
+        if self.state is State.ROLLED_BACK and self._on_rollback:
+            callbacks, self._on_rollback = self._on_rollback, []
+            for callback in callbacks:
+                try:
+                    callback()
+                except Exception:  # the transaction is rolled back; its callbacks cannot change that
+                    log.exception("on-rollback callback of transaction %s failed", self.xid)
+
+    def prepare_subordinate(self) -> list[str]:
+        """End the transaction as a *subordinate* of another node's transaction: ask every branch to vote and
+        leave the ones that voted yes prepared, for the superior's decision (``qtp.coupled``'s shared
+        coupling). Returns the names of the prepared branches (empty: nothing was written, nothing waits).
+
+        No decision is logged here and no branch is committed; the state ends "in doubt". A "no" rolls every
+        branch back and raises RollbackError. The caller records the prepared branches durably before it
+        votes, and later commits or rolls them back by xid (``Resource.commit``/``rollback``, idempotent).
+        The transaction's gtrid must not carry this node's own prefix, or the node's recovery would presume
+        abort for the branches while the superior may have committed them.
+        """
+        self._check_active("prepare")
+        if self.gtrid.startswith(self.manager.gtrid_prefix):
+            raise TransactionStateError(f"transaction {self.xid} has this node's own gtrid: its recovery would "
+                                        "roll the prepared branches back; begin it with a subordinate gtrid")
+        try:
+            self._run_before_commit()
+            for session, _ in self._sessions.values():
+                session.commit()
+            self._fire(Event.COMMIT)
+            self._close_sessions()
+            branches = self._drop_idle(self.branches)
+            prepared = self._phase_one(branches)
+            for branch in prepared:
+                branch.resource.detach(branch.xid)
+            self._fire(Event.UNKNOWN)
+            return [b.name for b in prepared]
+        except BaseException as exc:
+            if self.state in (State.ACTIVE, State.PREPARING):
+                self._roll_back_all(Event.ROLLBACK)
+            if isinstance(exc, Exception) and not isinstance(exc, RollbackError):
+                raise RollbackError(f"transaction {self.xid} rolled back: preparing it failed: {exc}") from exc
+            raise
+        finally:
+            self._done()
 
     def _two_phase_commit(self) -> None:
         branches = self._drop_idle(self.branches)

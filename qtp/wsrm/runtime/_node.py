@@ -272,6 +272,16 @@ class Node:
                  sorted(self.channels))
         return self
 
+    @property
+    def stopping(self) -> threading.Event:
+        """Set when the node is closing: the loops of ``add_worker`` end on it."""
+        return self._stopping
+
+    def add_worker(self, target: Callable[[], None], name: str) -> None:
+        """Run ``target`` in a thread of the node, joined by ``close()`` (it returns once ``stopping`` is set);
+        how layers above the runtime (``qtp.coupled``) run their workers."""
+        self._spawn(target, name)
+
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()

@@ -1,0 +1,263 @@
+"""Coupled messaging (qtp.coupled) between real nodes over HTTP, each with its own database.
+
+The Dependency-Spheres example (seed 001, section 5): an account is opened in the sender's database
+directly and in another database through a message that must be processed; whatever fails, the end is
+both accounts or neither (shared coupling), or the recipient's account closed by its compensator
+(compensatable). Then fan-out with "processed by at least 2 of 3", a mixed transaction, and the wire format
+against its schema.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from lxml import etree
+
+import qtp
+from qtp.coupled import Coupled, processed
+from qtp.coupled import _wire as wire
+from qtp.errors import ConfigurationError, RollbackError
+from qtp.testing.coupled_nodes import accounts, accounts_schema, node_ids, write_configs
+from qtp.testing.nodes import rows, wait_until
+
+OPEN = "urn:bank:open"
+SCHEMA = Path(qtp.__file__).parent / "coupled" / "coupled.xsd"
+
+
+class Bank:
+    """One node with its accounts table and a coupled handler that opens accounts (and a compensator that
+    closes them). ``refuse``: account ids its handler raises for."""
+
+    def __init__(self, config: Path, url: str, coupling: str = "shared"):
+        self.config, self.url, self.coupling = config, url, coupling
+        self.refuse: set[str] = set()
+        self.node: qtp.Node | None = None
+        self.coupled: Coupled | None = None
+
+    def start(self) -> "Bank":
+        self.node = qtp.Node.from_config(self.config)
+        self.id = self.node.manager.node_id
+        self.coupled = Coupled(self.node, sweep_interval=0.5)
+
+        @self.coupled.handler(OPEN, coupling=self.coupling)
+        def open_account(tx, message):
+            account = etree.fromstring(message.payload).get("id")
+            if account in self.refuse:
+                raise ValueError(f"account {account} refused by the test")
+            tx.connection("app").execute(sa.text("INSERT INTO accounts (id, status, opened_by) VALUES (:i, 'open', :b)"),
+                                         {"i": account, "b": message.transaction})
+
+        @self.coupled.compensator(OPEN)
+        def close_account(tx, message):
+            account = etree.fromstring(message.payload).get("id")
+            tx.connection("app").execute(sa.text("UPDATE accounts SET status = 'closed' WHERE id = :i"),
+                                         {"i": account})
+        return self
+
+    def close(self) -> None:
+        if self.node is not None:
+            self.node.close()
+            self.node = None
+
+    def open_here(self, tx, account: str) -> None:
+        tx.connection("app").execute(sa.text("INSERT INTO accounts (id, status) VALUES (:i, 'open')"), {"i": account})
+
+
+
+@pytest.fixture
+def banks(request, tmp_path):
+    """Factory: banks({"a": ("pg", coupling), "b": ("maria", coupling), ...}) -> {role: Bank} started."""
+    made: list[Bank] = []
+
+    def make(spec: dict[str, tuple[str, str]]) -> dict[str, Bank]:
+        urls = {role: request.getfixturevalue("pg_db" if kind == "pg" else "maria_db")(role)
+                for role, (kind, _) in spec.items()}
+        for url in urls.values():
+            accounts_schema(url)
+        ids = node_ids(list(spec))
+        configs = write_configs(tmp_path, urls, ids)
+        result = {role: Bank(configs[role], urls[role], spec[role][1]) for role in spec}
+        made.extend(result.values())
+        for bank in result.values():
+            bank.start()
+        return result
+
+    yield make
+    for bank in made:
+        bank.close()
+
+
+def _outbound(url: str) -> dict[str, tuple[str, str]]:
+    return {r[0]: (r[1], r[2]) for r in rows(url, "SELECT id, state, recipient FROM qtp_coupled_out")}
+
+
+def _inbound(url: str) -> dict[str, str]:
+    return dict(rows(url, "SELECT id, state FROM qtp_coupled_in"))
+
+
+def test_shared_coupling_opens_both_accounts_or_neither(banks):
+    b = banks({"a": ("pg", "queued"), "b": ("maria", "shared")})
+    a, bb = b["a"], b["b"]
+    bb.refuse.add("acc-2")
+    with a.node.manager.transaction() as tx:
+        a.open_here(tx, "acc-1")
+        a.coupled.send(tx, bb.id, b"<open id='acc-1'/>", action=OPEN, condition=processed(within=10))
+    assert accounts(a.url) == {"acc-1": "open"}
+    wait_until(lambda: accounts(bb.url) == {"acc-1": "open"}, 20, "the account at b committed")
+    # the recipient's handler fails: the sender's transaction rolls back, and b keeps nothing
+    with pytest.raises(RollbackError, match="not processed by every recipient"):
+        with a.node.manager.transaction() as tx:
+            a.open_here(tx, "acc-2")
+            a.coupled.send(tx, bb.id, b"<open id='acc-2'/>", action=OPEN, condition=processed(within=10))
+    assert "acc-2" not in accounts(a.url)
+    wait_until(lambda: "failed" in _inbound(bb.url).values(), 10, "b's row failed")
+    assert "acc-2" not in accounts(bb.url)
+    wait_until(lambda: sorted(_outbound(a.url).values()) == [("aborted", "failed"), ("committed", "committed")],
+               10, "a's sphere log: one committed, one aborted")
+
+
+def test_the_sender_application_failing_after_the_recipient_prepared_rolls_the_recipient_back(banks):
+    b = banks({"a": ("maria", "queued"), "b": ("pg", "shared")})
+    a, bb = b["a"], b["b"]
+    with pytest.raises(RuntimeError, match="after the send"):
+        with a.node.manager.transaction() as tx:
+            a.open_here(tx, "acc-9")
+            ids = a.coupled.send(tx, bb.id, b"<open id='acc-9'/>", action=OPEN, condition=processed(within=10))
+            wait_until(lambda: _inbound(bb.url).get(ids[bb.id]) == "prepared", 15, "b prepared")
+            raise RuntimeError("the application fails after the send")
+    wait_until(lambda: _inbound(bb.url).get(ids[bb.id]) == "rolled-back", 15, "b rolled back")
+    wait_until(lambda: _outbound(a.url)[ids[bb.id]] == ("aborted", "rolled-back"), 15, "a told")
+    assert accounts(a.url) == {} and accounts(bb.url) == {}
+    assert rows(bb.url, "SELECT COUNT(*) FROM pg_prepared_xacts")[0][0] == 0
+
+
+def test_a_recipient_down_past_the_deadline_ends_with_neither_account(banks):
+    b = banks({"a": ("pg", "queued"), "b": ("maria", "shared")})
+    a, bb = b["a"], b["b"]
+    bb.close()
+    started = time.monotonic()
+    with pytest.raises(RollbackError, match="not processed"):
+        with a.node.manager.transaction() as tx:
+            a.open_here(tx, "acc-3")
+            ids = a.coupled.send(tx, bb.id, b"<open id='acc-3'/>", action=OPEN, condition=processed(within=2))
+    assert 1.5 < time.monotonic() - started < 8
+    assert accounts(a.url) == {}
+    bb.start()  # the original is still delivered, then its Abort: it is cancelled, never processed
+    wait_until(lambda: _inbound(bb.url).get(ids[bb.id]) == "cancelled", 30, "b cancelled the original")
+    wait_until(lambda: _outbound(a.url)[ids[bb.id]] == ("aborted", "cancelled"), 15, "a's log settled")
+    assert accounts(bb.url) == {}
+
+
+def test_compensatable_recipient_is_compensated_when_the_sender_aborts(banks):
+    b = banks({"a": ("pg", "queued"), "b": ("maria", "compensatable")})
+    a, bb = b["a"], b["b"]
+    with pytest.raises(RuntimeError):
+        with a.node.manager.transaction() as tx:
+            a.open_here(tx, "acc-4")
+            ids = a.coupled.send(tx, bb.id, b"<open id='acc-4'/>", action=OPEN, condition=processed(within=10),
+                                 compensation=b"<close id='acc-4'/>")
+            wait_until(lambda: accounts(bb.url) == {"acc-4": "open"}, 15, "b committed on its own")
+            raise RuntimeError("the application fails after the recipient committed")
+    wait_until(lambda: accounts(bb.url) == {"acc-4": "closed"}, 15, "b's compensator ran")
+    wait_until(lambda: _outbound(a.url)[ids[bb.id]] == ("aborted", "compensated"), 15, "a's log settled")
+    assert accounts(a.url) == {}
+
+
+def test_fan_out_processed_by_at_least_two_of_three(banks):
+    b = banks({"a": ("pg", "queued"), "b": ("maria", "compensatable"), "c": ("pg", "compensatable"),
+               "d": ("maria", "compensatable")})
+    a, recipients = b["a"], [b["b"], b["c"], b["d"]]
+    b["d"].close()
+    with a.node.manager.transaction() as tx:
+        a.open_here(tx, "acc-5")
+        a.coupled.send(tx, [r.id for r in recipients], b"<open id='acc-5'/>", action=OPEN,
+                       condition=processed(at_least=2, within=5))
+    assert accounts(b["b"].url) == {"acc-5": "open"} and accounts(b["c"].url) == {"acc-5": "open"}
+    # two of three down: the condition fails, the one that processed it is compensated
+    b["c"].close()
+    with pytest.raises(RollbackError, match="at least 2 of 3"):
+        with a.node.manager.transaction() as tx:
+            a.open_here(tx, "acc-6")
+            a.coupled.send(tx, [r.id for r in recipients], b"<open id='acc-6'/>", action=OPEN,
+                           condition=processed(at_least=2, within=3))
+    wait_until(lambda: accounts(b["b"].url).get("acc-6") == "closed", 15, "b compensated acc-6")
+    # the ones that were down learn both outcomes when they return: acc-5 committed, acc-6 cancelled
+    b["c"].start()
+    b["d"].start()
+    for r in (b["c"], b["d"]):
+        wait_until(lambda r=r: accounts(r.url) == {"acc-5": "open"} and
+                   sorted(_inbound(r.url).values()) == ["cancelled", "committed"], 30, f"{r.id} caught up")
+    assert accounts(a.url) == {"acc-5": "open"}
+
+
+def test_mixed_transaction_shared_and_compensatable(banks):
+    b = banks({"a": ("pg", "queued"), "b": ("maria", "shared"), "c": ("pg", "compensatable")})
+    a, shared, comp = b["a"], b["b"], b["c"]
+    with a.node.manager.transaction() as tx:
+        a.open_here(tx, "acc-7")
+        a.coupled.send(tx, [shared.id, comp.id], b"<open id='acc-7'/>", action=OPEN, condition=processed(within=10))
+    wait_until(lambda: accounts(shared.url) == {"acc-7": "open"}, 15, "shared committed")
+    assert accounts(comp.url) == {"acc-7": "open"}
+    with pytest.raises(RuntimeError):
+        with a.node.manager.transaction() as tx:
+            a.open_here(tx, "acc-8")
+            ids = a.coupled.send(tx, [shared.id, comp.id], b"<open id='acc-8'/>", action=OPEN,
+                                 condition=processed(within=10))
+            wait_until(lambda: _inbound(shared.url).get(ids[shared.id]) == "prepared"
+                       and accounts(comp.url).get("acc-8") == "open", 15, "both processed")
+            raise RuntimeError("abort after both processed")
+    wait_until(lambda: accounts(comp.url).get("acc-8") == "closed", 15, "compensatable compensated")
+    wait_until(lambda: _inbound(shared.url).get(ids[shared.id]) == "rolled-back", 15, "shared rolled back")
+    assert "acc-8" not in accounts(shared.url) and "acc-8" not in accounts(a.url)
+
+
+def _c14n(xml: bytes | None) -> bytes | None:
+    return None if xml is None else etree.tostring(etree.fromstring(xml), method="c14n")
+
+
+def test_every_control_message_follows_the_schema_and_bad_ones_are_refused():
+    schema = etree.XMLSchema(etree.parse(str(SCHEMA)))
+    made = [
+        wire.Control("Message", "n/1:1", transaction="n/1", coordinator="n", action="urn:x", deadline=12.5,
+                     body=b"<x:a xmlns:x='urn:x'>1</x:a>"),
+        wire.Control("Commit", "n/1:1"), wire.Control("Abort", "n/1:1"),
+        wire.Control("Abort", "n/1:1", body=b"<undo/>"), wire.Control("Status", "n/1:1"),
+        *[wire.Control("Notify", "n/1:1", state=s, coupling=c, reason="r" if s == "failed" else None)
+          for s in wire.STATES for c in wire.COUPLINGS],
+    ]
+    for control in made:
+        payload = wire.encode(control)
+        schema.assertValid(etree.fromstring(payload))
+        decoded = wire.decode(wire.ACTION[control.kind], payload)
+        assert replace(decoded, body=_c14n(decoded.body)) == replace(control, body=_c14n(control.body))
+    for action, payload in [
+        (wire.ACTION["Commit"], b"<Commit xmlns='urn:other'><Id>x</Id></Commit>"),
+        (wire.ACTION["Notify"], f"<qc:Notify xmlns:qc='{wire.NS}'><qc:Id>x</qc:Id><qc:State>won</qc:State>"
+                                f"<qc:Coupling>shared</qc:Coupling></qc:Notify>".encode()),
+        (wire.ACTION["Commit"], f"<qc:Commit xmlns:qc='{wire.NS}'><qc:Id>{'x' * 300}</qc:Id></qc:Commit>".encode()),
+        (wire.ACTION["Message"], f"<qc:Message xmlns:qc='{wire.NS}'><qc:Id>x</qc:Id></qc:Message>".encode()),
+        ("urn:not-coupled", b"<a/>"),
+        (wire.ACTION["Commit"], b"<!DOCTYPE x [<!ENTITY e SYSTEM 'file:///etc/passwd'>]><x>&e;</x>"),
+    ]:
+        with pytest.raises(wire.CoupledWireError):
+            wire.decode(action, payload)
+
+
+def test_bad_use_is_refused_with_clear_errors(banks):
+    b = banks({"a": ("pg", "queued"), "b": ("pg", "shared")})
+    a, bb = b["a"], b["b"]
+    with a.node.manager.transaction() as tx:
+        with pytest.raises(ConfigurationError, match="unknown channel"):
+            a.coupled.send(tx, "nowhere", b"<x/>", action=OPEN)
+        with pytest.raises(ConfigurationError, match="names nowhere"):
+            a.coupled.send(tx, bb.id, b"<x/>", action=OPEN, condition=processed(by=["nowhere"]))
+        with pytest.raises(ConfigurationError, match="asks for 2 recipients of 1"):
+            a.coupled.send(tx, bb.id, b"<x/>", action=OPEN, condition=processed(at_least=2))
+    with pytest.raises(ConfigurationError, match="positive"):
+        processed(within=0)
+    with pytest.raises(ConfigurationError, match="coupling is one of"):
+        bb.coupled.handler("urn:x", coupling="loose")
