@@ -261,3 +261,44 @@ def test_bad_use_is_refused_with_clear_errors(banks):
         processed(within=0)
     with pytest.raises(ConfigurationError, match="coupling is one of"):
         bb.coupled.handler("urn:x", coupling="loose")
+
+
+@pytest.mark.parametrize("coupling", ["shared", "compensatable"])
+def test_sender_and_recipient_killed_again_and_again_every_transaction_stays_atomic(request, tmp_path, coupling):
+    """Processes: the sender opens 50 accounts (every 7th aborted by the application) as coupled transactions
+    with a recipient whose handler takes 0.3 s, so the sender spends most of its time in Phase 0 and the
+    recipient holds prepared (shared) or committed (compensatable) work. Each is SIGKILLed three times,
+    in turn; at the end every transaction is atomic by its coupling (judged from the databases alone)."""
+    from qtp.testing.coupled_nodes import judge, settled
+    from qtp.testing.nodes import NodeProcess
+
+    count = 50
+    urls = {"a": request.getfixturevalue("pg_db")("a"), "b": request.getfixturevalue("maria_db")("b")}
+    for url in urls.values():
+        accounts_schema(url)
+    ids = node_ids(list(urls))
+    configs = write_configs(tmp_path, urls, ids)
+    app = "qtp.testing.coupled_app:node"
+    recipient = NodeProcess(configs["b"], tmp_path / "b.log", {"QTP_COUPLED_COUPLING": coupling,
+                                                               "QTP_COUPLED_SLOW": "0.3"}, app=app)
+    sender = NodeProcess(configs["a"], tmp_path / "a.log", {
+        "QTP_COUPLED_SEND": str(count), "QTP_COUPLED_TO": ids["b"], "QTP_COUPLED_WITHIN": "4",
+        "QTP_COUPLED_ABORT_EVERY": "7"}, app=app)
+    try:
+        recipient.start()
+        sender.start()
+        for i, victim in enumerate([sender, recipient] * 3):
+            at = 5 + 7 * i
+            wait_until(lambda: rows(urls["a"], "SELECT COALESCE(MAX(k), 0) FROM attempts")[0][0] >= at, 90,
+                       f"{at} transactions tried")
+            time.sleep(0.2 * (i % 3))
+            victim.kill()
+            victim.start()
+        wait_until(lambda: settled(urls["a"], [urls["b"]], count), 180, "every coupled message settled")
+        result = judge(urls["a"], [urls["b"]], coupling)
+    finally:
+        sender.kill()
+        recipient.kill()
+    assert result["tried"] == count
+    assert 0 < result["committed"] < count  # both outcomes happened
+    assert rows(urls["b"], "SELECT COUNT(*) FROM qtp_coupled_in WHERE state = 'prepared'")[0][0] == 0

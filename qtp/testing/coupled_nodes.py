@@ -20,6 +20,7 @@ def accounts_schema(url: str) -> None:
     engine = sa.create_engine(url)
     with engine.begin() as conn:
         conn.exec_driver_sql(ACCOUNTS_DDL)
+        conn.exec_driver_sql("CREATE TABLE attempts (k INTEGER PRIMARY KEY)")  # the transactions a sender tried
     engine.dispose()
 
 
@@ -79,3 +80,53 @@ max_attempts = 2
         paths[role] = folder / f"{role}.toml"
         paths[role].write_text(text)
     return paths
+
+
+PENDING_IN = ("SELECT COUNT(*) FROM qtp_coupled_in WHERE state IN ('received', 'prepared') "
+              "OR (state = 'processed' AND decision = 'abort')")
+UNSETTLED_OUT = ("SELECT COUNT(*) FROM qtp_coupled_out WHERE state = 'active' OR (state = 'committed' AND "
+                 "recipient NOT IN ('committed', 'failed')) OR (state = 'aborted' AND recipient NOT IN "
+                 "('cancelled', 'rolled-back', 'compensated', 'failed'))")
+
+
+def settled(sender_url: str, recipient_urls: list[str], count: int) -> bool:
+    """The sender tried all ``count`` transactions and every coupled message reached its end on both sides."""
+    from qtp.testing.nodes import rows
+
+    if rows(sender_url, "SELECT COALESCE(MAX(k), 0) FROM attempts")[0][0] < count:
+        return False
+    if rows(sender_url, UNSETTLED_OUT)[0][0]:
+        return False
+    return all(rows(url, PENDING_IN)[0][0] == 0 for url in recipient_urls)
+
+
+def judge(sender_url: str, recipient_urls: list[str], coupling: str) -> dict[str, int]:
+    """Every coupled transaction atomic by its coupling, from the databases alone. Shared: the account is open
+    at the sender if and only if it is open at every recipient. Compensatable: opened at the sender means
+    open at every recipient; not opened there means absent or closed (compensated) at every recipient.
+    Nothing exists that was never tried. Raises AssertionError with the first violations."""
+    from qtp.testing.nodes import rows
+
+    tried = {f"acc-{k}" for (k,) in rows(sender_url, "SELECT k FROM attempts")}
+    here = accounts(sender_url)
+    there = [accounts(url) for url in recipient_urls]
+    problems = [f"{a} exists at the sender but was never tried" for a in set(here) - tried]
+    compensated = 0
+    for account in sorted(tried):
+        states = [t.get(account) for t in there]
+        if account in here:
+            if any(s != "open" for s in states):
+                problems.append(f"{account} committed at the sender, at the recipients: {states}")
+        elif coupling == "shared":
+            if any(s is not None for s in states):
+                problems.append(f"{account} rolled back at the sender, at the recipients: {states}")
+        else:
+            if any(s == "open" for s in states):
+                problems.append(f"{account} rolled back at the sender, still open at a recipient: {states}")
+            compensated += any(s == "closed" for s in states)
+        for t in there:
+            problems += [f"{a} at a recipient but never tried" for a in set(t) - tried]
+    if problems:
+        raise AssertionError(f"{len(problems)} violation(s): " + "; ".join(sorted(set(problems))[:10]))
+    return {"tried": len(tried), "committed": len(here), "rolled_back": len(tried) - len(here),
+            "compensated": compensated}

@@ -1,0 +1,80 @@
+"""The application of the coupled-messaging crash tests and campaign:
+``qtp serve --app qtp.testing.coupled_app:node``.
+
+Every node opens accounts (table ``accounts``, ``qtp.testing.coupled_nodes.ACCOUNTS_DDL``). Environment:
+
+- ``QTP_TEST_CONFIG``: the node's qtp.toml;
+- ``QTP_COUPLED_COUPLING``: how this node's handler of ``urn:bank:open`` couples (shared, compensatable,
+  queued; default shared); its compensator closes the account; ``QTP_COUPLED_SLOW``: seconds the handler
+  sleeps (widens the window in which the sender waits in Phase 0 and the recipient holds a prepared branch);
+- ``QTP_COUPLED_SEND=N`` with ``QTP_COUPLED_TO=id,id,...``: open accounts acc-1..acc-N, each in a transaction
+  that inserts it here and sends it as one conditional message to those nodes (processed by every recipient
+  within ``QTP_COUPLED_WITHIN`` s, default 5); every ``QTP_COUPLED_ABORT_EVERY``-th transaction raises after
+  the send. Before each transaction its number is recorded in ``attempts`` (a local commit), so that after a
+  restart the thread goes on after the last one tried. The outcome the sender saw is not recorded: the
+  judge reads the databases only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import sqlalchemy as sa
+from lxml import etree
+
+import qtp
+from qtp.coupled import Coupled, processed
+
+logging.basicConfig(level=os.environ.get("QTP_TEST_LOG", "WARNING"),
+                    format="%(asctime)s %(process)d %(threadName)s %(name)s %(levelname)s %(message)s", force=True)
+
+OPEN = "urn:bank:open"
+node = qtp.Node.from_config(os.environ["QTP_TEST_CONFIG"])
+coupled = Coupled(node, sweep_interval=0.5)
+slow = float(os.environ.get("QTP_COUPLED_SLOW", "0"))
+
+
+@coupled.handler(OPEN, coupling=os.environ.get("QTP_COUPLED_COUPLING", "shared"))
+def open_account(tx, message):
+    account = etree.fromstring(message.payload).get("id")
+    tx.connection("app").execute(sa.text("INSERT INTO accounts (id, status, opened_by) VALUES (:i, 'open', :b)"),
+                                 {"i": account, "b": message.transaction})
+    if slow:
+        time.sleep(slow)
+
+
+@coupled.compensator(OPEN)
+def close_account(tx, message):
+    account = etree.fromstring(message.payload).get("id")
+    tx.connection("app").execute(sa.text("UPDATE accounts SET status = 'closed' WHERE id = :i"), {"i": account})
+
+
+def _send(count: int, recipients: list[str], within: float, abort_every: int) -> None:
+    engine = sa.create_engine(node.manager.resource("app").url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS attempts (k INTEGER PRIMARY KEY)")
+        start = (conn.exec_driver_sql("SELECT MAX(k) FROM attempts").scalar() or 0) + 1
+    for k in range(start, count + 1):
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"INSERT INTO attempts (k) VALUES ({k})")
+        try:
+            with node.manager.transaction(timeout=within + 30) as tx:
+                tx.connection("app").execute(sa.text("INSERT INTO accounts (id, status) VALUES (:i, 'open')"),
+                                             {"i": f"acc-{k}"})
+                coupled.send(tx, recipients, f"<open id='acc-{k}'/>", action=OPEN,
+                             condition=processed(within=within), compensation=f"<close id='acc-{k}'/>")
+                if abort_every and k % abort_every == 0:
+                    raise RuntimeError("aborted by the test")
+        except Exception as exc:
+            logging.getLogger("coupled_app").info("acc-%d: %s", k, exc)
+    print("coupled_app: all sent", flush=True)
+
+
+if os.environ.get("QTP_COUPLED_SEND"):
+    threading.Thread(target=_send, name="coupled-sender", daemon=True, args=(
+        int(os.environ["QTP_COUPLED_SEND"]), os.environ["QTP_COUPLED_TO"].split(","),
+        float(os.environ.get("QTP_COUPLED_WITHIN", "5")), int(os.environ.get("QTP_COUPLED_ABORT_EVERY", "0")))
+    ).start()
