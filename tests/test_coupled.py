@@ -295,7 +295,7 @@ def test_sender_and_recipient_killed_again_and_again_every_transaction_stays_ato
             victim.kill()
             victim.start()
         wait_until(lambda: settled(urls["a"], [urls["b"]], count), 180, "every coupled message settled")
-        result = judge(urls["a"], [urls["b"]], coupling)
+        result = judge(urls["a"], [(urls["b"], coupling)])
     finally:
         sender.kill()
         recipient.kill()

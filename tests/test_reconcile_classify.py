@@ -69,11 +69,12 @@ def test_client_side_normalises_status_and_defaults_to_committed(spark):
 def test_server_side_counts_copies_and_keeps_the_smallest_payload(spark):
     df = spark.createDataFrame([(4, 41, "d"), (4, 40, "d"), (5, 7, "q")], SERVER_SCHEMA)
     out = C.server_side(df, "msg", SERVER_COLS)
-    assert out.columns == ["key", "copies", "server"]
+    assert out.columns == ["key", "copies", "server", "compensated"]
     assert out.schema["server"].dataType.names == NAMES
     assertDataFrameEqual(
         out,
-        [Row(key=4, copies=2, server=Row(amount=40, note="d")), Row(key=5, copies=1, server=Row(amount=7, note="q"))],
+        [Row(key=4, copies=2, server=Row(amount=40, note="d"), compensated=False),
+         Row(key=5, copies=1, server=Row(amount=7, note="q"), compensated=False)],
     )
 
 
@@ -122,7 +123,8 @@ def test_result_folds_groups_into_counts_histogram_and_rows(spark):
     summary = C.summarize(_classified(spark, CLIENT, SERVER), NAMES, sample_size=2).collect()
     result = _result(summary, NAMES, 2)
     assert result.counts == {"ok": 4, "lost": 1, "duplicated": 2, "unexpected": 1, "mismatched": 2,
-                             "applied_but_aborted": 1, "in_doubt": 2}
+                             "applied_but_aborted": 1, "in_doubt": 2, "compensated": 0,
+                             "committed_but_compensated": 0}
     assert result.duplicate_histogram == {2: 1, 3: 1}
     assert result.mismatched_columns == {"amount": 1, "note": 1}
     assert result.in_doubt_applied == 1
@@ -147,3 +149,20 @@ def test_key_types_of_one_family_meet_and_others_are_refused():
     assert key_type(T.StringType(), T.StringType(), "id", "msg") == T.StringType()
     with pytest.raises(ConfigurationError, match="key types differ.*'id' is bigint.*'msg' is string"):
         key_type(T.LongType(), T.StringType(), "id", "msg")
+
+
+def test_a_compensation_mark_on_the_server_makes_compensated_and_committed_but_compensated(spark):
+    """Coupled messaging: an aborted sender's recipient row that its compensator marked is 'compensated' (not
+    a violation); the same mark under a committed client row is a violation; unmarked rows classify as
+    before (an aborted client row still applied and not marked is applied_but_aborted)."""
+    client = C.client_side(spark.createDataFrame(
+        [(1, "aborted"), (2, "committed"), (3, "aborted"), (4, "committed"), (5, "aborted")], "k long, st string"),
+        "k", [], "st")
+    server = C.server_side(spark.createDataFrame(
+        [(1, "closed"), (2, "closed"), (3, "open"), (4, "open")], "k long, status string"), "k", [],
+        compensated=("status", "closed"))
+    got = {r["key"]: r["class"] for r in C.classify(client, server, []).collect()}
+    assert got == {1: "compensated", 2: "committed_but_compensated", 3: "applied_but_aborted", 4: "ok", 5: "ok"}
+    assert "committed_but_compensated" in C.VIOLATIONS and "compensated" not in C.VIOLATIONS
+    unmarked = C.server_side(spark.createDataFrame([(1, "closed")], "k long, status string"), "k", [])
+    assert {r["key"]: r["class"] for r in C.classify(client, unmarked, []).collect()}[1] == "applied_but_aborted"

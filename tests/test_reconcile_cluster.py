@@ -92,7 +92,7 @@ def test_reconcile_runs_on_a_standalone_cluster(anomalous_tables, standalone_clu
     data = json.loads(report.read_text())
     assert data["counts"] == {
         "ok": 287, "lost": 3, "duplicated": 3, "unexpected": 2, "mismatched": 3, "applied_but_aborted": 2,
-        "in_doubt": 2,
+        "in_doubt": 2, "compensated": 0, "committed_but_compensated": 0,
     }
     assert data["metadata"]["server"]["rows"] == len(list(_server_rows()))
     assert data["metadata"]["spark"]["master"] == master_url

@@ -97,7 +97,7 @@ def test_digest_and_full_mode_count_the_awkward_values_the_same(awkward_tables, 
     digest = reconcile(client, server, spark=spark, mode="digest", range_width=1, log=None)
     assert full.counts == digest.counts == {
         "ok": len(SAME), "lost": 1, "duplicated": 0, "unexpected": 1, "mismatched": len(DIFFERENT),
-        "applied_but_aborted": 0, "in_doubt": 0,
+        "applied_but_aborted": 0, "in_doubt": 0, "compensated": 0, "committed_but_compensated": 0,
     }
     assert full.mismatched_columns == digest.mismatched_columns == {"d": 1, "t": 4, "t2": 1, "ts": 1, "dt": 0,
                                                                      "day": 0}

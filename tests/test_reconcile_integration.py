@@ -89,7 +89,7 @@ def test_every_injected_anomaly_is_found_exactly(anomalous_tables, spark, tmp_pa
     assert data["verdict"] == "violated"
     assert data["counts"] == {
         "ok": 287, "lost": 3, "duplicated": 3, "unexpected": 2, "mismatched": 3, "applied_but_aborted": 2,
-        "in_doubt": 2,
+        "in_doubt": 2, "compensated": 0, "committed_but_compensated": 0,
     }
     assert data["duplicate_histogram"] == {"2": 2, "3": 1}
     assert data["mismatched_columns"] == {"amount": 2, "note": 2}
@@ -127,7 +127,8 @@ def test_a_clean_delivery_is_exactly_once_with_string_keys_from_mariadb_to_postg
     result = reconcile(TableSpec(client_url, "sent", "k", ("v", "note")), TableSpec(server_url, "got", "msg"),
                        spark=spark, partitions=3, log=None)
     assert result.counts == {"ok": 200, "lost": 0, "duplicated": 0, "unexpected": 0, "mismatched": 0,
-                             "applied_but_aborted": 0, "in_doubt": 0}
+                             "applied_but_aborted": 0, "in_doubt": 0, "compensated": 0,
+                             "committed_but_compensated": 0}
     assert (result.verdict, result.exit_code) == ("exactly-once", 0)
     assert _cli("--client-url", client_url, "--client-table", "sent", "--server-url", server_url,
                 "--server-table", "got", "--key", "k=msg", "--columns", "v,note") == 0

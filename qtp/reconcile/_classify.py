@@ -4,17 +4,20 @@ Every key seen on either side gets exactly one class, decided in this order::
 
     not on the client                                   unexpected       (the server has it; nobody sent it)
     client status in_doubt (or unrecognised)            in_doubt         (reported apart; not a violation)
+    client aborted, server has it compensated           compensated      (applied, then undone: coupled messaging)
     client aborted, server has it                       applied_but_aborted
     client aborted, server does not                     ok
     client committed, server does not                   lost
     client committed, server has it 2+ times            duplicated       (histogram of the multiplicities)
+    client committed, server has it compensated         committed_but_compensated
     client committed, once on the server, payload != mismatched       (counted per column as well)
     otherwise                                           ok
 
 The frames between the functions have fixed shapes (the ``select`` at the edges is the contract):
 
 - ``client_side``:  key, status, client (struct of the payload columns, named canonically)
-- ``server_side``:  key, copies, server (struct of the same names and types as ``client``)
+- ``server_side``:  key, copies, server (struct of the same names and types as ``client``), compensated
+  (every copy carries the server's compensation mark: coupled messaging undid it; False without a mark)
 - ``classify``:     key, class, status, copies, client, server, differing (array of payload column names)
 - ``summarize``:    class, copies, keys, one ``differs_<i>`` count per payload column, samples
 
@@ -38,8 +41,11 @@ UNEXPECTED = "unexpected"
 MISMATCHED = "mismatched"
 APPLIED_BUT_ABORTED = "applied_but_aborted"
 IN_DOUBT = "in_doubt"
-CLASSES = (OK, LOST, DUPLICATED, UNEXPECTED, MISMATCHED, APPLIED_BUT_ABORTED, IN_DOUBT)
-VIOLATIONS = (LOST, DUPLICATED, UNEXPECTED, MISMATCHED, APPLIED_BUT_ABORTED)
+COMPENSATED = "compensated"
+COMMITTED_BUT_COMPENSATED = "committed_but_compensated"
+CLASSES = (OK, LOST, DUPLICATED, UNEXPECTED, MISMATCHED, APPLIED_BUT_ABORTED, IN_DOUBT, COMPENSATED,
+           COMMITTED_BUT_COMPENSATED)
+VIOLATIONS = (LOST, DUPLICATED, UNEXPECTED, MISMATCHED, APPLIED_BUT_ABORTED, COMMITTED_BUT_COMPENSATED)
 
 COMMITTED = "committed"
 ABORTED = "aborted"
@@ -61,14 +67,18 @@ def client_side(df: DataFrame, key: str, columns: Sequence[tuple[str, str]], sta
     )
 
 
-def server_side(df: DataFrame, key: str, columns: Sequence[tuple[str, str]]) -> DataFrame:
-    """One row per server key: how many copies the server holds and the (smallest) payload among them."""
+def server_side(df: DataFrame, key: str, columns: Sequence[tuple[str, str]],
+                compensated: tuple[str, str] | None = None) -> DataFrame:
+    """One row per server key: how many copies the server holds and the (smallest) payload among them.
+    ``compensated`` = (column, value): a row whose column holds value was undone by a compensation."""
     payload = F.struct(*[F.col(source).alias(name) for name, source in columns])
+    mark = (F.coalesce(F.col(compensated[0]).cast("string") == F.lit(compensated[1]), F.lit(False))
+            if compensated else F.lit(False))
     return (
-        df.select(F.col(key).alias("key"), payload.alias("server"))
+        df.select(F.col(key).alias("key"), payload.alias("server"), mark.alias("mark"))
         .groupBy("key")
-        .agg(F.count(F.lit(1)).alias("copies"), F.min("server").alias("server"))
-        .select("key", "copies", "server")
+        .agg(F.count(F.lit(1)).alias("copies"), F.min("server").alias("server"), F.min("mark").alias("compensated"))
+        .select("key", "copies", "server", "compensated")
     )
 
 
@@ -78,7 +88,8 @@ def server_side_grouped(df: DataFrame, key: str, columns: Sequence[tuple[str, st
     The payload of a key held several times is then the column-wise minimum of its copies.
     """
     payload = F.struct(*[F.col(source).alias(name) for name, source in columns])
-    return df.select(F.col(key).alias("key"), F.col(copies).cast("long").alias("copies"), payload.alias("server"))
+    return df.select(F.col(key).alias("key"), F.col(copies).cast("long").alias("copies"), payload.alias("server"),
+                     F.lit(False).alias("compensated"))
 
 
 def differing_columns(names: Sequence[str]) -> Column:
@@ -105,14 +116,17 @@ def classify(client: DataFrame, server: DataFrame, names: Sequence[str]) -> Data
     applied = copies >= 1
     applied_more_than_once = copies > 1
     payload_differs = F.size(differing) > 0
+    undone = F.coalesce(F.col("compensated"), F.lit(False))
 
     cls = (
         F.when(~was_sent, F.lit(UNEXPECTED))
         .when(~(committed | aborted), F.lit(IN_DOUBT))
+        .when(aborted & applied & undone, F.lit(COMPENSATED))
         .when(aborted & applied, F.lit(APPLIED_BUT_ABORTED))
         .when(aborted, F.lit(OK))
         .when(~applied, F.lit(LOST))
         .when(applied_more_than_once, F.lit(DUPLICATED))
+        .when(undone, F.lit(COMMITTED_BUT_COMPENSATED))
         .when(payload_differs, F.lit(MISMATCHED))
         .otherwise(F.lit(OK))
     )

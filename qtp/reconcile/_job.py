@@ -264,7 +264,7 @@ def _read(spark: SparkSession, probed: ProbedTable, partitions: int, fetchsize: 
     or only the rows matching one of the ``where`` clauses (one partition each)."""
     spec = probed.spec
     wanted = [spec.key, *spec.columns, *([spec.status_column] if spec.status_column else []),
-              *([COPIES] if grouped else [])]
+              *([spec.compensated[0]] if spec.compensated else []), *([COPIES] if grouped else [])]
     url = parse_url(spec.url, "")
     table = grouped or quote_table(spec.table, probed.backend)
     if where is None and (probed.key_is_integer or partitions < 2):
@@ -350,7 +350,8 @@ def reconcile(
     started = time.time()
     pairs, server_pairs = _column_pairs(client, server)
     names = [name for name, _ in pairs]
-    server = TableSpec(server.url, server.table, server.key, tuple(col for _, col in server_pairs))
+    server = TableSpec(server.url, server.table, server.key, tuple(col for _, col in server_pairs),
+                       compensated=server.compensated)
 
     say(f"checking client {client.table} and server {server.table}")
     probed_c, probed_s = probe(client, "client"), probe(server, "server")
@@ -359,15 +360,20 @@ def reconcile(
             "twice is counted as two messages")
     column_pairs = [(c, s) for (_, c), (_, s) in zip(pairs, server_pairs)]
     plan = D.plan(probed_c, probed_s, column_pairs, range_width or 0)
-    if mode == "digest" and plan.reason:
-        raise ConfigurationError(f"digest mode cannot run: {plan.reason}; use --mode full or auto")
-    reason = plan.reason or (_dense(probed_c, probed_s, plan, column_pairs, say) if mode == "auto" else None)
+    impossible = plan.reason or (  # the digests do not carry the compensation mark
+        "the server table has a compensation mark (--server-compensated)" if server.compensated else None)
+    if mode == "digest" and impossible:
+        raise ConfigurationError(f"digest mode cannot run: {impossible}; use --mode full or auto")
+    reason = impossible or (_dense(probed_c, probed_s, plan, column_pairs, say) if mode == "auto" else None)
     used = "full" if mode == "full" or reason else "digest"
     if mode == "auto" and reason:
         say(f"auto mode: full, because {reason}")
 
     if pushdown is None:
-        pushdown = PUSHDOWN_DEFAULT[probed_s.backend]
+        pushdown = PUSHDOWN_DEFAULT[probed_s.backend] and not server.compensated
+    if pushdown and server.compensated:
+        raise ConfigurationError("--pushdown groups the server's rows in its database, which drops the "
+                                 "compensation mark; leave it out with --server-compensated")
     grouped = _grouped_table(probed_s) if pushdown else None
     timing: dict[str, float] = {}
 
@@ -384,7 +390,7 @@ def reconcile(
                 server_df = _read(session, probed_s, parts, fetchsize, grouped=grouped, where=where_s)
             client_df, server_df = _aligned(client_df, server_df, client, server, pairs, server_pairs)
             server_rows = (C.server_side_grouped(server_df, server.key, server_pairs, COPIES) if grouped
-                           else C.server_side(server_df, server.key, server_pairs))
+                           else C.server_side(server_df, server.key, server_pairs, server.compensated))
             classified = C.classify(C.client_side(client_df, client.key, pairs, client.status_column), server_rows,
                                     names)
             if final:

@@ -11,7 +11,7 @@ from pathlib import Path
 from qtp.reconcile._classify import CLASSES, VIOLATIONS
 from qtp.reconcile._job import ReconcileResult
 
-_COLOURS = {"ok": "#4c9a2a", "in_doubt": "#999999"}
+_COLOURS = {"ok": "#4c9a2a", "in_doubt": "#999999", "compensated": "#2a7f9a"}
 _VIOLATION_COLOUR = "#c0392b"
 
 

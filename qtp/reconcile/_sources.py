@@ -48,6 +48,7 @@ class TableSpec:
     key: str
     columns: tuple[str, ...] = ()
     status_column: str | None = None
+    compensated: tuple[str, str] | None = None  # server only: (column, value) marking a compensated row
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "columns", tuple(self.columns))
@@ -199,7 +200,8 @@ def _reflect(conn: sa.Connection, spec: TableSpec, side: str, shown: str) -> sa.
             f"{', '.join(sorted(known)[:20]) or '(none)'}"
         )
     table = sa.Table(name, sa.MetaData(), schema=schema or None, autoload_with=conn)
-    wanted = [spec.key, *spec.columns, *([spec.status_column] if spec.status_column else [])]
+    wanted = [spec.key, *spec.columns, *([spec.status_column] if spec.status_column else []),
+              *([spec.compensated[0]] if spec.compensated else [])]
     missing = [col for col in wanted if col not in table.c]
     if missing:
         raise ConfigurationError(

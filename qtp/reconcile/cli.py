@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="payload columns compared on both sides: COL or CLIENT_COL=SERVER_COL, comma-separated")
     src.add_argument("--client-status-column", metavar="COL",
                      help="client column holding committed / aborted / in_doubt (default: all committed)")
+    src.add_argument("--server-compensated", metavar="COL=VALUE",
+                     help="server rows whose COL holds VALUE were undone by a compensation (coupled messaging): "
+                          "for an aborted client row they are the class 'compensated', for a committed one a "
+                          "violation ('committed_but_compensated')")
     out = p.add_argument_group("reports")
     out.add_argument("--json", metavar="FILE", help="write the JSON report (counts, verdict, samples, metadata)")
     out.add_argument("--html", metavar="FILE", help="write the HTML report; its chart goes to FILE's name + .png")
@@ -111,7 +115,14 @@ def run(args: argparse.Namespace) -> int:
     pairs = [_pair(item, "--columns entry") for item in args.columns.split(",") if item.strip()]
     client = TableSpec(args.client_url, args.client_table, client_key, tuple(c for c, _ in pairs),
                        args.client_status_column)
-    server = TableSpec(args.server_url, args.server_table, server_key, tuple(s for _, s in pairs))
+    compensated = None
+    if args.server_compensated:
+        column, sep, value = args.server_compensated.partition("=")
+        if not column.strip() or not sep:
+            raise ConfigurationError(f"bad --server-compensated {args.server_compensated!r}: write COLUMN=VALUE")
+        compensated = (column.strip(), value)
+    server = TableSpec(args.server_url, args.server_table, server_key, tuple(s for _, s in pairs),
+                       compensated=compensated)
     anomalies_table = None
     if args.anomalies_table:
         anomalies_table = (args.anomalies_url or args.client_url, args.anomalies_table)

@@ -40,8 +40,9 @@ slow = float(os.environ.get("QTP_COUPLED_SLOW", "0"))
 @coupled.handler(OPEN, coupling=os.environ.get("QTP_COUPLED_COUPLING", "shared"))
 def open_account(tx, message):
     account = etree.fromstring(message.payload).get("id")
-    tx.connection("app").execute(sa.text("INSERT INTO accounts (id, status, opened_by) VALUES (:i, 'open', :b)"),
-                                 {"i": account, "b": message.transaction})
+    tx.connection("app").execute(sa.text("INSERT INTO accounts (id, k, status, opened_by) VALUES (:i, :k, 'open', "
+                                         ":b)"), {"i": account, "k": int(account.split("-")[1]),
+                                                  "b": message.transaction})
     if slow:
         time.sleep(slow)
 
@@ -55,15 +56,14 @@ def close_account(tx, message):
 def _send(count: int, recipients: list[str], within: float, abort_every: int) -> None:
     engine = sa.create_engine(node.manager.resource("app").url)
     with engine.begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS attempts (k INTEGER PRIMARY KEY)")
         start = (conn.exec_driver_sql("SELECT MAX(k) FROM attempts").scalar() or 0) + 1
     for k in range(start, count + 1):
         with engine.begin() as conn:
             conn.exec_driver_sql(f"INSERT INTO attempts (k) VALUES ({k})")
         try:
             with node.manager.transaction(timeout=within + 30) as tx:
-                tx.connection("app").execute(sa.text("INSERT INTO accounts (id, status) VALUES (:i, 'open')"),
-                                             {"i": f"acc-{k}"})
+                tx.connection("app").execute(sa.text("INSERT INTO accounts (id, k, status) VALUES (:i, :k, 'open')"),
+                                             {"i": f"acc-{k}", "k": k})
                 coupled.send(tx, recipients, f"<open id='acc-{k}'/>", action=OPEN,
                              condition=processed(within=within), compensation=f"<close id='acc-{k}'/>")
                 if abort_every and k % abort_every == 0:

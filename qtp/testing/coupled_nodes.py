@@ -12,8 +12,12 @@ import sqlalchemy as sa
 
 from qtp.embedded import free_port
 
-ACCOUNTS_DDL = ("CREATE TABLE accounts (id VARCHAR(64) PRIMARY KEY, status VARCHAR(16) NOT NULL, "
+# k: the account's number (acc-K), the key the Spark reconciliation compares on
+ACCOUNTS_DDL = ("CREATE TABLE accounts (id VARCHAR(64) PRIMARY KEY, k INTEGER, status VARCHAR(16) NOT NULL, "
                 "opened_by VARCHAR(255))")
+# the sender's view for the reconciliation: every transaction it tried, committed when its account exists
+OUTCOMES_VIEW = ("CREATE VIEW coupled_outcomes AS SELECT t.k AS k, CASE WHEN a.id IS NULL THEN 'aborted' "
+                 "ELSE 'committed' END AS status FROM attempts t LEFT JOIN accounts a ON a.k = t.k")
 
 
 def accounts_schema(url: str) -> None:
@@ -21,6 +25,7 @@ def accounts_schema(url: str) -> None:
     with engine.begin() as conn:
         conn.exec_driver_sql(ACCOUNTS_DDL)
         conn.exec_driver_sql("CREATE TABLE attempts (k INTEGER PRIMARY KEY)")  # the transactions a sender tried
+        conn.exec_driver_sql(OUTCOMES_VIEW)
     engine.dispose()
 
 
@@ -40,15 +45,17 @@ def node_ids(roles: list[str]) -> dict[str, str]:
 
 
 def write_configs(folder: Path, urls: dict[str, str], ids: dict[str, str], limits: str = "",
-                  extra: dict[str, str] | None = None) -> dict[str, Path]:
+                  extra: dict[str, str] | None = None, ports: dict[str, int] | None = None,
+                  via: dict[str, int] | None = None) -> dict[str, Path]:
     """One qtp.toml per role: its app database (also its store, xa), an endpoint, a channel to every other
-    node named by that node's id."""
-    ports = {role: free_port() for role in urls}
+    node named by that node's id. ``via``: role -> the port others reach it through (a lossy proxy)."""
+    ports = ports or {role: free_port() for role in urls}
+    via = via or {}
     paths = {}
     for role, url in urls.items():
         channels = "".join(f'''
 [channels.{ids[other]}]
-peer = "http://127.0.0.1:{ports[other]}/rm"
+peer = "http://127.0.0.1:{via.get(other, ports[other])}/rm"
 store = "app"
 mode = "xa"
 ''' for other in urls if other != role)
@@ -100,7 +107,7 @@ def settled(sender_url: str, recipient_urls: list[str], count: int) -> bool:
     return all(rows(url, PENDING_IN)[0][0] == 0 for url in recipient_urls)
 
 
-def judge(sender_url: str, recipient_urls: list[str], coupling: str) -> dict[str, int]:
+def judge(sender_url: str, recipients: list[tuple[str, str]]) -> dict[str, int]:
     """Every coupled transaction atomic by its coupling, from the databases alone. Shared: the account is open
     at the sender if and only if it is open at every recipient. Compensatable: opened at the sender means
     open at every recipient; not opened there means absent or closed (compensated) at every recipient.
@@ -109,23 +116,21 @@ def judge(sender_url: str, recipient_urls: list[str], coupling: str) -> dict[str
 
     tried = {f"acc-{k}" for (k,) in rows(sender_url, "SELECT k FROM attempts")}
     here = accounts(sender_url)
-    there = [accounts(url) for url in recipient_urls]
+    there = [(accounts(url), coupling) for url, coupling in recipients]
     problems = [f"{a} exists at the sender but was never tried" for a in set(here) - tried]
     compensated = 0
     for account in sorted(tried):
-        states = [t.get(account) for t in there]
+        states = [(t.get(account), coupling) for t, coupling in there]
         if account in here:
-            if any(s != "open" for s in states):
+            if any(s != "open" for s, _ in states):
                 problems.append(f"{account} committed at the sender, at the recipients: {states}")
-        elif coupling == "shared":
-            if any(s is not None for s in states):
-                problems.append(f"{account} rolled back at the sender, at the recipients: {states}")
-        else:
-            if any(s == "open" for s in states):
-                problems.append(f"{account} rolled back at the sender, still open at a recipient: {states}")
-            compensated += any(s == "closed" for s in states)
-        for t in there:
-            problems += [f"{a} at a recipient but never tried" for a in set(t) - tried]
+        elif any(s is not None for s, c in states if c == "shared"):
+            problems.append(f"{account} rolled back at the sender, at a shared recipient: {states}")
+        elif any(s == "open" for s, _ in states):
+            problems.append(f"{account} rolled back at the sender, still open at a recipient: {states}")
+        compensated += account not in here and any(s == "closed" for s, _ in states)
+    for t, _ in there:
+        problems += [f"{a} at a recipient but never tried" for a in set(t) - tried]
     if problems:
         raise AssertionError(f"{len(problems)} violation(s): " + "; ".join(sorted(set(problems))[:10]))
     return {"tried": len(tried), "committed": len(here), "rolled_back": len(tried) - len(here),
