@@ -53,13 +53,32 @@ def close_account(tx, message):
     tx.connection("app").execute(sa.text("UPDATE accounts SET status = 'closed' WHERE id = :i"), {"i": account})
 
 
+def _until_done(step):
+    """The database may be down (a crash test kills it): try again until it answers."""
+    while True:
+        try:
+            return step()
+        except sa.exc.SQLAlchemyError as exc:
+            logging.getLogger("coupled_app").info("database not reachable (%s); retrying", exc.__class__.__name__)
+            time.sleep(0.5)
+
+
+def _last_tried(engine) -> int:
+    with engine.begin() as conn:
+        return conn.exec_driver_sql("SELECT MAX(k) FROM attempts").scalar() or 0
+
+
+def _record_try(engine, k: int) -> None:
+    with engine.begin() as conn:
+        if not conn.exec_driver_sql(f"SELECT 1 FROM attempts WHERE k = {k}").first():
+            conn.exec_driver_sql(f"INSERT INTO attempts (k) VALUES ({k})")
+
+
 def _send(count: int, recipients: list[str], within: float, abort_every: int) -> None:
     engine = sa.create_engine(node.manager.resource("app").url)
-    with engine.begin() as conn:
-        start = (conn.exec_driver_sql("SELECT MAX(k) FROM attempts").scalar() or 0) + 1
+    start = _until_done(lambda: _last_tried(engine)) + 1
     for k in range(start, count + 1):
-        with engine.begin() as conn:
-            conn.exec_driver_sql(f"INSERT INTO attempts (k) VALUES ({k})")
+        _until_done(lambda: _record_try(engine, k))
         try:
             with node.manager.transaction(timeout=within + 30) as tx:
                 tx.connection("app").execute(sa.text("INSERT INTO accounts (id, k, status) VALUES (:i, :k, 'open')"),

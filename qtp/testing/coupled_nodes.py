@@ -44,6 +44,20 @@ def node_ids(roles: list[str]) -> dict[str, str]:
     return {role: f"{role}-{tag}" for role in roles}
 
 
+LIMITS = {"retransmit_interval": "0.3", "retransmit_interval_max": "1.0", "retry_backoff": "0.1",
+          "retry_backoff_max": "0.5", "http_timeout": "3", "max_attempts": "2"}
+
+
+def _limits(overrides: str) -> str:
+    """The tests' [limits], with ``overrides`` ("key = value" lines) replacing or adding entries."""
+    merged = dict(LIMITS)
+    for line in overrides.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            merged[key.strip()] = value.strip()
+    return "\n".join(f"{key} = {value}" for key, value in merged.items())
+
+
 def write_configs(folder: Path, urls: dict[str, str], ids: dict[str, str], limits: str = "",
                   extra: dict[str, str] | None = None, ports: dict[str, int] | None = None,
                   via: dict[str, int] | None = None) -> dict[str, Path]:
@@ -75,13 +89,7 @@ url = "{url}"
 interval = 2
 
 [limits]
-retransmit_interval = 0.3
-retransmit_interval_max = 1.0
-retry_backoff = 0.1
-retry_backoff_max = 0.5
-http_timeout = 3
-max_attempts = 2
-{limits}
+{_limits(limits)}
 {(extra or {}).get(role, "")}
 {channels}'''
         paths[role] = folder / f"{role}.toml"

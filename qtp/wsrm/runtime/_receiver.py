@@ -72,6 +72,7 @@ from qtp.wsrm.protocol import (
     TimerFired,
     unknown_sequence,
 )
+from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.runtime._security import is_loopback
 from qtp.wsrm.store import DestinationInfo, Incoming, SourceInfo
 
@@ -466,8 +467,15 @@ class Receiver:
             return
         with self.store.local() as s:
             saved = {record.identifier: record for _, record in self.store.destinations(s)}
+        before = self._machines.get(identifier)
         if identifier in saved:
             self._machines[identifier] = DestinationSequence(saved[identifier])
+            # what that transaction stored after all: the invoker was never told (the caller saw an error),
+            # and a retransmission is now a duplicate that would not tell it either
+            landed = ranges.difference(saved[identifier].received, before.record.received if before else ())
+            for low, high in landed:
+                for number in range(low, high + 1):
+                    self.node.invoker.stored(identifier, number)
         self._stale.discard(identifier)
         log.info("inbound sequence %s reloaded from the store after a failed transaction", identifier)
 
