@@ -302,3 +302,27 @@ def test_sender_and_recipient_killed_again_and_again_every_transaction_stays_ato
     assert result["tried"] == count
     assert 0 < result["committed"] < count  # both outcomes happened
     assert rows(urls["b"], "SELECT COUNT(*) FROM qtp_coupled_in WHERE state = 'prepared'")[0][0] == 0
+
+
+def test_small_campaign_kills_of_nodes_and_databases_under_loss_judged_by_spark(tmp_path):
+    """benchmarks/coupled_campaign.py in a small form: 40 coupled transactions from a sender to a shared and a
+    compensatable recipient, 10 % HTTP loss, the three nodes and both database servers each SIGKILLed;
+    every transaction atomic by its coupling (the judge) and Spark's reconciliation exactly-once, with the
+    compensated accounts in their own class."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "campaign"
+    done = subprocess.run([sys.executable, "benchmarks/coupled_campaign.py", "--transactions", "40", "--kills", "5",
+                           "--loss", "0.1", "--seed", "7", "--root", str(tmp_path / "db"), "--out", str(out),
+                           "--stop-databases", "--drain-s", "240"],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["verdict"] == "atomic" and result["settled"]
+    assert set(result["victims"]) == {"sender", "b", "c", "postgresql", "mariadb"}
+    assert all(result["victims"].values())
+    assert result["judge"]["tried"] == 40 and 0 < result["judge"]["committed"] < 40
+    assert result["spark"]["c"]["counts"]["compensated"] == result["judge"]["compensated"]
+    assert result["spark"]["b"]["counts"]["ok"] == 40
