@@ -14,6 +14,7 @@ from qtp.errors import QtpError
 
 # One line per subcommand module; a module registers one or more subcommands.
 COMMAND_MODULES = [
+    "qtp.coupled.cli",
     "qtp.db_cli",
     "qtp.reconcile.cli",
     "qtp.recovery.cli",

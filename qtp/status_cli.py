@@ -1,7 +1,7 @@
 """``qtp status``: a node's in-doubt branches, decision log, and messaging (sequences, backlog, dead letters).
 
 It exits 0 when there is nothing to warn about, 1 otherwise (2 on an error, 3 is never used). The two
-halves come from their own layers: ``qtp.recovery`` (transactions) and ``qtp.wsrm.runtime`` (messaging).
+halves come from their own layers: ``qtp.recovery`` (transactions), ``qtp.wsrm.runtime`` (messaging) and ``qtp.coupled`` (coupled transactions).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from qtp._render import age, run, table
+from qtp.coupled._status import coupled_status, coupled_warnings, render_coupled
 from qtp.recovery._node import NodeStatus, node_status
 from qtp.wsrm.runtime._status import messaging_status, messaging_warnings, render_messaging
 
@@ -26,10 +27,15 @@ def run_status(args: argparse.Namespace) -> int:
         status = node_status(config, warn_age_s=config.warn_prepared_age)
         status.messaging = messaging_status(config)  # type: ignore[attr-defined]
         status.warnings += messaging_warnings(status.messaging)  # type: ignore[attr-defined]
+        if status.messaging["sequences"] or config.messaging["channels"]:  # type: ignore[attr-defined]
+            status.coupled = coupled_status(config)  # type: ignore[attr-defined]
+            status.warnings += coupled_warnings(status.coupled)  # type: ignore[attr-defined]
         return status
 
     def render(status: NodeStatus) -> str:
-        return render_status(status) + "\n" + render_messaging(status.messaging)  # type: ignore[attr-defined]
+        coupled = getattr(status, "coupled", None)
+        return (render_status(status) + "\n" + render_messaging(status.messaging)  # type: ignore[attr-defined]
+                + ("\n" + render_coupled(coupled) if coupled else ""))
 
     return run(args, compute, lambda status: status.__dict__, render, lambda status: not status.warnings)
 

@@ -326,3 +326,51 @@ def test_small_campaign_kills_of_nodes_and_databases_under_loss_judged_by_spark(
     assert result["judge"]["tried"] == 40 and 0 < result["judge"]["committed"] < 40
     assert result["spark"]["c"]["counts"]["compensated"] == result["judge"]["compensated"]
     assert result["spark"]["b"]["counts"]["ok"] == 40
+
+
+def _qtp(*args: str) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "qtp", *args], capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_a_compensation_that_keeps_failing_is_kept_in_the_log_shown_and_retried_by_the_operator(banks):
+    import json
+
+    b = banks({"a": ("pg", "queued"), "b": ("maria", "compensatable")})
+    a, bb = b["a"], b["b"]
+    broken = {"yes": True}
+    original = bb.coupled._compensators[OPEN]
+
+    def flaky(tx, message):
+        if broken["yes"]:
+            raise RuntimeError("the compensator's service is down")
+        original(tx, message)
+
+    bb.coupled._compensators[OPEN] = flaky
+    with pytest.raises(RuntimeError, match="app"):
+        with a.node.manager.transaction() as tx:
+            a.open_here(tx, "acc-10")
+            ids = a.coupled.send(tx, bb.id, b"<open id='acc-10'/>", action=OPEN, condition=processed(within=10))
+            wait_until(lambda: accounts(bb.url) == {"acc-10": "open"}, 15, "b committed on its own")
+            raise RuntimeError("app")
+    cid = ids[bb.id]
+    wait_until(lambda: _outbound(a.url)[cid] == ("aborted", "compensation-failed"), 15, "the failure reported")
+    assert accounts(bb.url) == {"acc-10": "open"}
+    code, text = _qtp("coupled", "list", "--json", "--config", str(a.config))
+    assert code == 0 and [e["id"] for e in json.loads(text)] == [cid]
+    code, text = _qtp("status", "--config", str(a.config))
+    assert code == 1 and "not yet undone by their recipient" in text and cid in text
+    code, text = _qtp("status", "--config", str(bb.config))
+    assert "compensation-failed" in text
+    broken["yes"] = False
+    code, text = _qtp("coupled", "retry", "--all", "--config", str(a.config))
+    assert code == 0 and "1 coupled message(s)" in text
+    wait_until(lambda: accounts(bb.url) == {"acc-10": "closed"}, 20, "compensated after the retry")
+    wait_until(lambda: _outbound(a.url)[cid] == ("aborted", "compensated"), 15, "the log entry closed")
+    code, text = _qtp("coupled", "list", "--config", str(a.config))
+    assert code == 0 and "no open compensation-log entries" in text
+    code, text = _qtp("coupled", "retry", "nosuch", "--config", str(a.config))
+    assert code != 0 and "nosuch" in text

@@ -31,7 +31,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "wsrm.store": frozenset({"errors", "wsrm.protocol"}),
     "wsrm.runtime": frozenset({"errors", "config", "xa", "coordinator", "wsrm.protocol", "wsrm.codec", "wsrm.store",
                                "_render"}),
-    "coupled": frozenset({"errors", "xa", "coordinator", "wsrm.store", "wsrm.runtime", "_render"}),
+    "coupled": frozenset({"errors", "config", "xa", "coordinator", "wsrm.store", "wsrm.runtime", "_render"}),
     "reconcile": frozenset({"errors"}),
     "embedded": frozenset({"errors"}),
     "_render": frozenset({"errors", "config"}),
@@ -39,11 +39,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "cli": frozenset({"errors"}),  # loads the command modules by name (importlib), never by import
     "__main__": frozenset({"cli"}),
     "db_cli": frozenset({"errors", "embedded"}),
-    "status_cli": frozenset({"errors", "config", "_render", "recovery", "wsrm.runtime"}),
+    "status_cli": frozenset({"errors", "config", "_render", "recovery", "wsrm.runtime", "coupled"}),
     "testing": ANY,  # test and campaign tooling, above everything
     "demo": ANY,     # the show cases, above everything
 }
-COMMAND_MODULES = {"qtp.db_cli", "qtp.reconcile.cli", "qtp.recovery.cli", "qtp.status_cli", "qtp.wsrm.runtime.cli"}
+COMMAND_MODULES = {"qtp.coupled.cli", "qtp.db_cli", "qtp.reconcile.cli", "qtp.recovery.cli", "qtp.status_cli", "qtp.wsrm.runtime.cli"}
 
 
 @dataclass(frozen=True)

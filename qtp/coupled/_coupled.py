@@ -478,6 +478,10 @@ class Coupled:
                 conn.execute(update.values(decision="abort", compensation=control.body, attempts=0, next_at=0.0,
                                            updated_at=now))
                 tx.on_commit(self._wake.set)
+        elif row.state == "compensation-failed" and not commit:  # sent again by an operator: try again
+            conn.execute(update.values(state="processed", decision="abort", attempts=0, next_at=0.0, error=None,
+                                       compensation=control.body or row.compensation, updated_at=now))
+            tx.on_commit(self._wake.set)
         if settled is not None:
             conn.execute(update.values(state=settled, decision="commit" if commit else "abort", updated_at=now))
             self._notify(tx, row.coordinator, row.id, settled, row.coupling, message=message)
