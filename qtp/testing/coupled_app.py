@@ -7,6 +7,10 @@ Every node opens accounts (table ``accounts``, ``qtp.testing.coupled_nodes.ACCOU
 - ``QTP_COUPLED_COUPLING``: how this node's handler of ``urn:bank:open`` couples (shared, compensatable,
   queued; default shared); its compensator closes the account; ``QTP_COUPLED_SLOW``: seconds the handler
   sleeps (widens the window in which the sender waits in Phase 0 and the recipient holds a prepared branch);
+- ``urn:bank:open-shared`` and ``urn:bank:open-compensatable``: the same handler with that coupling;
+- ``urn:bank:open-plain`` and ``urn:bank:open-saga`` (plain handlers, for benchmarks/coupled_bench.py): open
+  the account from an ordinary queued message; the saga's handler also answers on the channel named in the
+  payload's ``reply`` attribute;
 - ``QTP_COUPLED_SEND=N`` with ``QTP_COUPLED_TO=id,id,...``: open accounts acc-1..acc-N, each in a transaction
   that inserts it here and sends it as one conditional message to those nodes (processed by every recipient
   within ``QTP_COUPLED_WITHIN`` s, default 5); every ``QTP_COUPLED_ABORT_EVERY``-th transaction raises after
@@ -47,10 +51,30 @@ def open_account(tx, message):
         time.sleep(slow)
 
 
+for _coupling in ("shared", "compensatable"):  # the benchmark's couplings side by side, by action
+    coupled.handler(f"{OPEN}-{_coupling}", coupling=_coupling)(open_account)
+
+
 @coupled.compensator(OPEN)
 def close_account(tx, message):
     account = etree.fromstring(message.payload).get("id")
     tx.connection("app").execute(sa.text("UPDATE accounts SET status = 'closed' WHERE id = :i"), {"i": account})
+
+
+@node.handler(OPEN + "-plain")
+def open_plain(tx, message):
+    """The benchmark's plain queued variant: the same account, opened by an ordinary message."""
+    account = etree.fromstring(message.payload).get("id")
+    tx.connection("app").execute(sa.text("INSERT INTO accounts (id, k, status) VALUES (:i, :k, 'open')"),
+                                 {"i": account, "k": int(account.split("-")[1])})
+
+
+@node.handler(OPEN + "-saga")
+def open_saga(tx, message):
+    """The benchmark's hand-built saga: open the account and tell the sender, by a message of its own."""
+    open_plain(tx, message)
+    root = etree.fromstring(message.payload)
+    tx.send(root.get("reply"), f"<opened id='{root.get('id')}'/>", action=OPEN + "-saga-done")
 
 
 def _until_done(step):
