@@ -189,8 +189,11 @@ def test_fan_out_processed_by_at_least_two_of_three(banks):
     b["c"].start()
     b["d"].start()
     for r in (b["c"], b["d"]):
-        wait_until(lambda r=r: accounts(r.url) == {"acc-5": "open"} and
-                   sorted(_inbound(r.url).values()) == ["cancelled", "committed"], 30, f"{r.id} caught up")
+        try:
+            wait_until(lambda r=r: accounts(r.url) == {"acc-5": "open"} and
+                       sorted(_inbound(r.url).values()) == ["cancelled", "committed"], 30, f"{r.id} caught up")
+        except AssertionError:
+            raise AssertionError(f"{r.id}: accounts {accounts(r.url)}, coupled {_inbound(r.url)}") from None
     assert accounts(a.url) == {"acc-5": "open"}
 
 
@@ -211,7 +214,11 @@ def test_mixed_transaction_shared_and_compensatable(banks):
                        and accounts(comp.url).get("acc-8") == "open", 15, "both processed")
             raise RuntimeError("abort after both processed")
     wait_until(lambda: accounts(comp.url).get("acc-8") == "closed", 15, "compensatable compensated")
-    wait_until(lambda: _inbound(shared.url).get(ids[shared.id]) == "rolled-back", 15, "shared rolled back")
+    try:
+        wait_until(lambda: _inbound(shared.url).get(ids[shared.id]) == "rolled-back", 15, "shared rolled back")
+    except AssertionError:
+        raise AssertionError(f"shared: {rows(shared.url, 'SELECT id, state, decision FROM qtp_coupled_in')}, "
+                             f"sender: {_outbound(a.url)}") from None
     assert "acc-8" not in accounts(shared.url) and "acc-8" not in accounts(a.url)
 
 
@@ -224,6 +231,8 @@ def test_every_control_message_follows_the_schema_and_bad_ones_are_refused():
     made = [
         wire.Control("Message", "n/1:1", transaction="n/1", coordinator="n", action="urn:x", deadline=12.5,
                      body=b"<x:a xmlns:x='urn:x'>1</x:a>"),
+        wire.Control("Message", "n/1:2", transaction="n/1", coordinator="n", action="urn:x", deadline=1.0,
+                     body=b"<a/>", census=True),
         wire.Control("Commit", "n/1:1"), wire.Control("Abort", "n/1:1"),
         wire.Control("Abort", "n/1:1", body=b"<undo/>"), wire.Control("Status", "n/1:1"),
         *[wire.Control("Notify", "n/1:1", state=s, coupling=c, reason="r" if s == "failed" else None)
@@ -240,6 +249,10 @@ def test_every_control_message_follows_the_schema_and_bad_ones_are_refused():
                                 f"<qc:Coupling>shared</qc:Coupling></qc:Notify>".encode()),
         (wire.ACTION["Commit"], f"<qc:Commit xmlns:qc='{wire.NS}'><qc:Id>{'x' * 300}</qc:Id></qc:Commit>".encode()),
         (wire.ACTION["Message"], f"<qc:Message xmlns:qc='{wire.NS}'><qc:Id>x</qc:Id></qc:Message>".encode()),
+        (wire.ACTION["Message"], f"<qc:Message xmlns:qc='{wire.NS}'><qc:Id>x</qc:Id><qc:Transaction>t</qc:Transaction>"
+                                 "<qc:Coordinator>n</qc:Coordinator><qc:Action>urn:x</qc:Action><qc:Deadline>1"
+                                 "</qc:Deadline><qc:Census>maybe</qc:Census><qc:Body><a/></qc:Body></qc:Message>"
+                                 .encode()),
         ("urn:not-coupled", b"<a/>"),
         (wire.ACTION["Commit"], b"<!DOCTYPE x [<!ENTITY e SYSTEM 'file:///etc/passwd'>]><x>&e;</x>"),
     ]:
@@ -263,6 +276,23 @@ def test_bad_use_is_refused_with_clear_errors(banks):
         bb.coupled.handler("urn:x", coupling="loose")
 
 
+def _process_pair(request, tmp_path, count: int, recipient_env: dict, sender_env: dict):
+    """A sender (PostgreSQL) and a recipient (MariaDB) as ``qtp serve`` processes of the coupled test app; the
+    sender opens ``count`` accounts at the recipient, each as a coupled transaction."""
+    from qtp.testing.nodes import NodeProcess
+
+    urls = {"a": request.getfixturevalue("pg_db")("a"), "b": request.getfixturevalue("maria_db")("b")}
+    for url in urls.values():
+        accounts_schema(url)
+    ids = node_ids(list(urls))
+    configs = write_configs(tmp_path, urls, ids)
+    app = "qtp.testing.coupled_app:node"
+    recipient = NodeProcess(configs["b"], tmp_path / "b.log", recipient_env, app=app)
+    sender = NodeProcess(configs["a"], tmp_path / "a.log", {"QTP_COUPLED_SEND": str(count),
+                                                            "QTP_COUPLED_TO": ids["b"], **sender_env}, app=app)
+    return urls, ids, sender, recipient
+
+
 @pytest.mark.parametrize("coupling", ["shared", "compensatable"])
 def test_sender_and_recipient_killed_again_and_again_every_transaction_stays_atomic(request, tmp_path, coupling):
     """Processes: the sender opens 50 accounts (every 7th aborted by the application) as coupled transactions
@@ -270,20 +300,11 @@ def test_sender_and_recipient_killed_again_and_again_every_transaction_stays_ato
     recipient holds prepared (shared) or committed (compensatable) work. Each is SIGKILLed three times,
     in turn; at the end every transaction is atomic by its coupling (judged from the databases alone)."""
     from qtp.testing.coupled_nodes import judge, settled
-    from qtp.testing.nodes import NodeProcess
 
     count = 50
-    urls = {"a": request.getfixturevalue("pg_db")("a"), "b": request.getfixturevalue("maria_db")("b")}
-    for url in urls.values():
-        accounts_schema(url)
-    ids = node_ids(list(urls))
-    configs = write_configs(tmp_path, urls, ids)
-    app = "qtp.testing.coupled_app:node"
-    recipient = NodeProcess(configs["b"], tmp_path / "b.log", {"QTP_COUPLED_COUPLING": coupling,
-                                                               "QTP_COUPLED_SLOW": "0.3"}, app=app)
-    sender = NodeProcess(configs["a"], tmp_path / "a.log", {
-        "QTP_COUPLED_SEND": str(count), "QTP_COUPLED_TO": ids["b"], "QTP_COUPLED_WITHIN": "4",
-        "QTP_COUPLED_ABORT_EVERY": "7"}, app=app)
+    urls, ids, sender, recipient = _process_pair(
+        request, tmp_path, count, {"QTP_COUPLED_COUPLING": coupling, "QTP_COUPLED_SLOW": "0.3"},
+        {"QTP_COUPLED_WITHIN": "4", "QTP_COUPLED_ABORT_EVERY": "7"})
     try:
         recipient.start()
         sender.start()
@@ -374,3 +395,50 @@ def test_a_compensation_that_keeps_failing_is_kept_in_the_log_shown_and_retried_
     assert code == 0 and "no open compensation-log entries" in text
     code, text = _qtp("coupled", "retry", "nosuch", "--config", str(a.config))
     assert code != 0 and "nosuch" in text
+
+
+def test_a_shared_recipient_that_could_not_record_its_vote_undoes_its_prepared_work_and_tries_again(banks):
+    """The vote's transaction fails right after the subordinate prepared (failpoint): the prepared branch
+    must not stay behind holding the account's lock; the next attempt undoes it and processes again."""
+    from qtp.coordinator import failpoints
+
+    b = banks({"a": ("pg", "queued"), "b": ("maria", "shared")})
+    a, bb = b["a"], b["b"]
+    failpoints.configure("coupled_after_prepare=error@1")
+    try:
+        with a.node.manager.transaction() as tx:
+            a.open_here(tx, "acc-11")
+            a.coupled.send(tx, bb.id, b"<open id='acc-11'/>", action=OPEN, condition=processed(within=20))
+    finally:
+        failpoints.configure(None)
+    wait_until(lambda: accounts(bb.url) == {"acc-11": "open"}, 20, "b committed")
+    assert accounts(a.url) == {"acc-11": "open"}
+    assert [r for r in rows(bb.url, "XA RECOVER") if bb.id.encode() in bytes(r[3])] == []
+
+
+@pytest.mark.parametrize("point,victim", [("coupled_after_prepare", "recipient"), ("coupled_after_send", "sender"),
+                                          ("coupled_before_commit", "sender")])
+def test_a_node_killed_at_each_coupled_failpoint_leaves_every_transaction_atomic(request, tmp_path, point, victim):
+    """Processes; the named node kills itself (SIGKILL) at the failpoint on its 3rd pass, is restarted without
+    it, and the 8 transactions end atomic; nothing stays prepared."""
+    from qtp.testing.coupled_nodes import judge, settled
+
+    count = 8
+    fail = {"QTP_FAILPOINTS": f"{point}=crash@3"}
+    urls, ids, sender, recipient = _process_pair(
+        request, tmp_path, count, {"QTP_COUPLED_COUPLING": "shared", **(fail if victim == "recipient" else {})},
+        {"QTP_COUPLED_WITHIN": "4", **(fail if victim == "sender" else {})})
+    dying = recipient if victim == "recipient" else sender
+    try:
+        recipient.start()
+        sender.start()
+        wait_until(lambda: not dying.alive(), 60, f"the {victim} killed by {point}")
+        dying.env.pop("QTP_FAILPOINTS")
+        dying.start()
+        wait_until(lambda: settled(urls["a"], [urls["b"]], count), 120, "every coupled message settled")
+        result = judge(urls["a"], [(urls["b"], "shared")])
+    finally:
+        sender.kill()
+        recipient.kill()
+    assert result["tried"] == count and result["committed"] >= count - 2
+    assert [r for r in rows(urls["b"], "XA RECOVER") if ids["b"].encode() in bytes(r[3])] == []

@@ -23,6 +23,9 @@ The points (``i`` is the branch's position in the transaction, from 0):
 ``before_end_record``      every branch committed, END record not yet appended
 ``after_one_phase_commit`` the sole branch's one-phase COMMIT returned, the outcome not yet recorded
 ``recovery_after_action``  recovery committed or rolled back one in-doubt branch
+``coupled_after_send``     (qtp.coupled) a sender's originals are on their way, nothing decided
+``coupled_before_commit``  (qtp.coupled) conditions met, Commit messages written, sender not committed
+``coupled_after_prepare``  (qtp.coupled) a shared recipient prepared, its vote not yet recorded
 =========================  ==================================================================
 """
 

@@ -43,11 +43,13 @@ import threading
 import time
 import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import sqlalchemy as sa
 
+from qtp.coordinator.failpoints import failpoint
 from qtp.coupled import _tables as tables
 from qtp.coupled._conditions import Condition, processed
 from qtp.coupled._wire import ACTION, COUPLINGS, Control, CoupledWireError, decode, encode
@@ -96,10 +98,12 @@ class _Sphere:
 class Coupled:
     """Coupled messaging for ``node`` (both roles). ``replies``: sender node id -> the channel this node
     answers it on (default: a channel named like the sender's node, else the node's only channel).
-    ``max_attempts`` / ``retry_backoff``: for coupled handlers and compensators (default: the node's limits).
+    Coupled handlers and compensators run on ``workers`` threads, with the node's ``max_attempts`` and
+    ``retry_backoff`` limits; ``sweep_interval``: seconds between the sender's presumed-abort sweeps.
     """
 
-    def __init__(self, node: Any, replies: dict[str, str] | None = None, sweep_interval: float = 1.0):
+    def __init__(self, node: Any, replies: dict[str, str] | None = None, sweep_interval: float = 1.0,
+                 workers: int = 4):
         self.node = node
         self.manager = node.manager
         self.replies = dict(replies or {})
@@ -113,6 +117,10 @@ class Coupled:
         self._asked: dict[str, float] = {}
         self._counter = 0
         self._lock = threading.Lock()
+        if not isinstance(workers, int) or workers < 1:
+            raise ConfigurationError(f"workers must be a positive number of threads, got {workers!r}")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qtp-coupled-worker")
+        self._claimed: set[str] = set()
         for channel in self.replies.values():
             self._channel(channel)
         inbound = node.inbound_store
@@ -149,9 +157,20 @@ class Coupled:
         condition.check(names)
         if not isinstance(action, str) or not action.strip():
             raise ConfigurationError("coupled.send needs action=\"...\": the recipient's handler is chosen by it")
+        left = tx.deadline - time.monotonic()
+        if condition.within >= left:
+            raise ConfigurationError(
+                f"the condition's deadline ({condition.within:g} s) does not fit in what is left of transaction "
+                f"{tx.xid}'s timeout ({left:.1f} s): raise the timeout (manager.transaction(timeout=...)) or "
+                "shorten within=")
         payload = payload.encode() if isinstance(payload, str) else payload
         compensation = compensation.encode() if isinstance(compensation, str) else compensation
         sphere = self._sphere(tx)
+        # the census (HTS): who joined matters for "delivered" conditions, and for a fan-out that does not need
+        # everyone (a shared recipient that joined must then vote before the sender decides); otherwise the
+        # recipients report only what became of the original, one message less on the way to the commit
+        census = condition.level == "delivered" or (len(names) > 1 and condition.at_least is not None
+                                                    and condition.at_least < len(names))
         now = time.time()
         deadline = now + condition.within
         ids: dict[str, str] = {}
@@ -161,9 +180,11 @@ class Coupled:
                 self._counter += 1
                 coupling_id = f"{tx.xid}:{self._counter}"
             body = encode(Control("Message", coupling_id, transaction=tx.xid, coordinator=self.manager.node_id,
-                                  action=action, deadline=deadline, body=payload))
+                                  action=action, deadline=deadline, body=payload, census=census))
             if compensation is not None:
                 encode(Control("Abort", coupling_id, body=compensation))  # refuse bad XML now, not at abort
+            with self._changed:  # before the original can leave: its first report must find it
+                self._states[coupling_id] = ("sent", None, None)
             with store.local() as conn:
                 conn.execute(tables.outbound.insert(), {
                     "id": coupling_id, "gtrid": tx.xid, "channel": name, "action": action,
@@ -172,10 +193,9 @@ class Coupled:
                 store.enqueue(conn, self._outgoing(settings, coupling_id, "Message", body))
             sphere.stores[settings.store] = store
             ids[name] = coupling_id
-            with self._changed:
-                self._states[coupling_id] = ("sent", None, None)
         sphere.sent.append(_Sent(condition, deadline, ids))
         self.node.sender.wake.set()
+        failpoint("coupled_after_send")  # the originals are on their way, the sender has not decided
         return ids
 
     def _sphere(self, tx: Any) -> _Sphere:
@@ -232,11 +252,14 @@ class Coupled:
                         f"{sent.condition.describe(len(states))} (recipients: "
                         + ", ".join(f"{ch} {st}" for ch, st in sorted(states.items())) + why + ")")
                 waiting = any(v is not True for _, v, _, _ in verdicts)
+                told = False
                 if waiting:
                     due = min(s.deadline for s, v, _, _ in verdicts if v is not True)
-                    self._changed.wait(max(0.0, min(0.5, due - now)))
-                    continue
-            break
+                    told = self._changed.wait(max(0.0, min(1.0, due - now)))
+            if not waiting:
+                break
+            if not told:  # a second without news: ask the sphere log itself
+                self._reread(sphere)
         count = 0
         for resource, store in sphere.stores.items():
             conn = tx.connection(resource)
@@ -254,8 +277,24 @@ class Coupled:
                         store.enqueue(conn, self._outgoing(self.node.channels[ch], cid, "Commit",
                                                            encode(Control("Commit", cid))))
                         count += 1
+        failpoint("coupled_before_commit")  # conditions met, Commit messages written, the sender not committed
         tx.on_commit(lambda: self._committed(tx.xid))
         log.debug("transaction %s: coupled conditions met, %d Commit message(s) enqueued", tx.xid, count)
+
+    def _reread(self, sphere: _Sphere) -> None:
+        """What the sphere log says of the recipients: the reports are applied to it by the invoker, and
+        normally reach the waiting sender in memory; this makes the wait independent of that."""
+        ids = [cid for sent in sphere.sent for cid in sent.ids.values()]
+        for store in sphere.stores.values():
+            with store.local() as conn:
+                found = conn.execute(sa.select(tables.outbound.c.id, tables.outbound.c.recipient,
+                                               tables.outbound.c.coupling, tables.outbound.c.reason)
+                                     .where(tables.outbound.c.id.in_(ids))).all()
+            with self._changed:
+                for row in found:
+                    known = self._states.get(row.id)
+                    if known is not None and _RANK.get(row.recipient, 0) > _RANK.get(known[0], 0):
+                        self._states[row.id] = (row.recipient, row.coupling, row.reason)
 
     def _committed(self, gtrid: str) -> None:
         self._forget_sphere(gtrid)
@@ -280,12 +319,15 @@ class Coupled:
         finally:
             self._forget_sphere(gtrid)
 
-    def _abort_rows(self, store: Any, where: list[Any]) -> int:
+    def _abort_rows(self, store: Any, where: list[Any], skip_locked: bool = False) -> int:
+        """Abort the active rows matching ``where``. The sweep skips rows locked by someone else (a prepared
+        branch of the sender's own transaction, in doubt: recovery settles it first); the sender's own
+        rollback waits for a lock held a moment by the invoker applying a report."""
         with store.local() as conn:
             rows = conn.execute(sa.select(tables.outbound.c.id, tables.outbound.c.channel,
                                           tables.outbound.c.compensation)
                                 .where(tables.outbound.c.state == ACTIVE, *where)
-                                .with_for_update(skip_locked=True)).all()
+                                .with_for_update(skip_locked=skip_locked)).all()
             if not rows:
                 return 0
             conn.execute(tables.outbound.update().where(tables.outbound.c.id.in_([r.id for r in rows]))
@@ -307,7 +349,7 @@ class Coupled:
                 gtrids = {g for (g,) in conn.execute(sa.select(tables.outbound.c.gtrid).distinct().where(
                     tables.outbound.c.state == ACTIVE, *where))}
             for gtrid in gtrids - running - set(self._spheres):
-                self._abort_rows(store, [tables.outbound.c.gtrid == gtrid])
+                self._abort_rows(store, [tables.outbound.c.gtrid == gtrid], skip_locked=True)
 
     def _on_notify(self, tx: Any, message: Any) -> None:
         control = self._control(message)
@@ -326,7 +368,8 @@ class Coupled:
 
     def _note(self, control: Control) -> None:
         with self._changed:
-            if control.id in self._states:
+            known = self._states.get(control.id)
+            if known is not None and _RANK[control.state] >= _RANK.get(known[0], 0):
                 self._states[control.id] = (control.state, control.coupling, control.reason)
                 self._changed.notify_all()
 
@@ -424,8 +467,9 @@ class Coupled:
             "gtrid": control.transaction, "action": control.action, "coupling": coupling, "payload": control.body,
             "state": state, "attempts": 0, "next_at": 0.0, "deadline": control.deadline, "received_at": now,
             "updated_at": now, "error": None if known else f"no handler for action {control.action!r}"})
-        self._notify(tx, control.coordinator or "", control.id, "delivered" if known else "failed", coupling,
-                     None if known else f"no handler for {control.action}", message)
+        if control.census or not known:
+            self._notify(tx, control.coordinator or "", control.id, "delivered" if known else "failed", coupling,
+                         None if known else f"no handler for {control.action}", message)
         tx.on_commit(self._wake.set)
 
     def _notify(self, tx: Any, coordinator: str, coupling_id: str, state: str, coupling: str,
@@ -531,25 +575,49 @@ class Coupled:
                 busy = False
             if not busy:
                 self._wake.wait(0.25)
+        self._pool.shutdown(wait=True)
 
     def _work_once(self) -> bool:
+        """Hand the rows that have work to the pool (each original to one thread at a time); True when
+        anything new was handed out."""
         store = self.node.inbound_store
         now = time.time()
         c = tables.inbound.c
         with store.local() as conn:
+            # an original still undecided past its deadline waits for the decision (the sender has made it or
+            # makes it now): processing it could only be undone again
             rows = conn.execute(sa.select(tables.inbound).where(c.next_at <= now, sa.or_(
-                sa.and_(c.state == "received", sa.or_(c.decision.is_(None), c.decision == "commit")),
+                sa.and_(c.state == "received", sa.or_(sa.and_(c.decision.is_(None), c.deadline > now),
+                                                      c.decision == "commit")),
                 sa.and_(c.state == "processed", c.decision == "abort"))).order_by(c.received_at).limit(32)).all()
+        fresh = 0
         for row in rows:
+            with self._lock:
+                if row.id in self._claimed:
+                    continue
+                self._claimed.add(row.id)
+            fresh += 1
+            self._pool.submit(self._run_one, row)
+        return fresh > 0
+
+    def _run_one(self, row: Any) -> None:
+        """One step for one original (its state guards each step, so a row read before an earlier step of
+        the same original finished does nothing)."""
+        try:
             if self.node.stopping.is_set():
-                break
+                return
             if row.state == "processed":
                 self._compensate(row)
             elif row.coupling == "shared" and row.decision is None:
                 self._prepare(row)
             else:
                 self._process(row)
-        return bool(rows)
+        except Exception:
+            log.exception("coupled %s: step failed; retried shortly", row.id)
+        finally:
+            with self._lock:
+                self._claimed.discard(row.id)
+            self._wake.set()
 
     def _message(self, row: Any, compensation: bool = False) -> CoupledMessage:
         payload = row.compensation if compensation and row.compensation is not None else row.payload
@@ -563,16 +631,18 @@ class Coupled:
     def _process(self, row: Any) -> None:
         """Queued, compensatable, or shared once the sender committed: the handler commits on its own."""
         fn = self._fn(row.action)
-        done = "committed" if row.decision == "commit" else "processed"
         try:
             with self.manager.transaction() as tx:
-                moved = self._conn(tx).execute(tables.inbound.update().where(
-                    tables.inbound.c.id == row.id, tables.inbound.c.state == "received",
-                    sa.or_(tables.inbound.c.decision.is_(None), tables.inbound.c.decision == "commit"))
-                    .values(state=done, updated_at=time.time())).rowcount
-                if not moved:
+                conn = self._conn(tx)
+                # locked and read again: the decision may have arrived since the row was read
+                current = conn.execute(sa.select(tables.inbound.c.decision).where(
+                    tables.inbound.c.id == row.id, tables.inbound.c.state == "received").with_for_update()).first()
+                if current is None or current.decision == "abort":
                     tx.rollback()
                     return
+                done = "committed" if current.decision == "commit" else "processed"
+                conn.execute(tables.inbound.update().where(tables.inbound.c.id == row.id)
+                             .values(state=done, updated_at=time.time()))
                 if fn is None:
                     raise ConfigurationError(f"no handler for action {row.action!r}")
                 fn(tx, self._message(row))
@@ -585,6 +655,8 @@ class Coupled:
         branches are recorded, then "prepared" is notified (the vote)."""
         fn = self._fn(row.action)
         store = self.node.inbound_store
+        if row.sub_gtrid:  # an earlier attempt prepared it and could not record or undo that: undo it first
+            self._resolve(row.sub_gtrid, list(self.manager.resources), commit=False)
         sub = self._sub_gtrid()
         with store.local() as conn:  # recorded first: a crash after the prepare rolls it back at restart
             if not conn.execute(tables.inbound.update().where(tables.inbound.c.id == row.id,
@@ -592,6 +664,7 @@ class Coupled:
                                                               tables.inbound.c.decision.is_(None))
                                 .values(sub_gtrid=sub)).rowcount:
                 return
+        branches: list[str] | None = None
         try:
             tx = self.manager.begin(gtrid=sub.encode())
             try:
@@ -599,13 +672,19 @@ class Coupled:
                     raise ConfigurationError(f"no handler for action {row.action!r}")
                 fn(tx, self._message(row))
                 branches = tx.prepare_subordinate()
+                failpoint("coupled_after_prepare")  # prepared, the vote not yet recorded
             except BaseException:
                 if tx.outcome is None:
                     tx.rollback()
                 raise
         except Exception as exc:
-            with store.local() as conn:
-                conn.execute(tables.inbound.update().where(tables.inbound.c.id == row.id).values(sub_gtrid=None))
+            try:
+                if branches is not None:  # prepared but not voted: nobody counts on it, undo it now
+                    self._resolve(sub, branches, commit=False)
+                with store.local() as conn:
+                    conn.execute(tables.inbound.update().where(tables.inbound.c.id == row.id).values(sub_gtrid=None))
+            except Exception as undo:  # the gtrid stays recorded: the next attempt, or the restart, undoes it
+                log.warning("coupled %s: the prepared work of a failed attempt is not undone yet: %s", row.id, undo)
             self._failed(row, exc, "failed")
             return
         try:

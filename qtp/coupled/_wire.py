@@ -51,6 +51,7 @@ class Control:
     state: str | None = None
     coupling: str | None = None
     reason: str | None = None
+    census: bool = False        # Message: report "delivered" too
 
 
 def _text(parent: etree._Element, name: str, value: str) -> None:
@@ -75,6 +76,8 @@ def encode(control: Control) -> bytes:
         _text(root, "Coordinator", control.coordinator or "")
         _text(root, "Action", control.action or "")
         _text(root, "Deadline", repr(float(control.deadline or 0.0)))
+        if control.census:
+            _text(root, "Census", "true")
         _body(root, control.body or b"")
     elif control.kind == "Abort" and control.body is not None:
         _body(root, control.body)
@@ -138,8 +141,11 @@ def decode(action: str, payload: bytes | None) -> Control:
         payload_body = body()
         if payload_body is None:
             raise CoupledWireError("a coupled Message without Body")
+        census = text("Census", required=False)
+        if census not in (None, "true", "false", "1", "0"):
+            raise CoupledWireError(f"a coupled Message's Census is not a boolean: {census!r}")
         return Control(kind, identifier, transaction=text("Transaction"), coordinator=text("Coordinator"),
-                       action=text("Action"), deadline=deadline, body=payload_body)
+                       action=text("Action"), deadline=deadline, body=payload_body, census=census in ("true", "1"))
     if kind == "Abort":
         return Control(kind, identifier, body=body())
     if kind == "Notify":
