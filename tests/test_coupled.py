@@ -270,6 +270,9 @@ def test_bad_use_is_refused_with_clear_errors(banks):
             a.coupled.send(tx, bb.id, b"<x/>", action=OPEN, condition=processed(by=["nowhere"]))
         with pytest.raises(ConfigurationError, match="asks for 2 recipients of 1"):
             a.coupled.send(tx, bb.id, b"<x/>", action=OPEN, condition=processed(at_least=2))
+    with a.node.manager.transaction(timeout=5) as tx:
+        with pytest.raises(ConfigurationError, match="does not fit"):
+            a.coupled.send(tx, bb.id, b"<x/>", action=OPEN, condition=processed(within=10))
     with pytest.raises(ConfigurationError, match="positive"):
         processed(within=0)
     with pytest.raises(ConfigurationError, match="coupling is one of"):
