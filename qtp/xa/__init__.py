@@ -7,7 +7,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from qtp.xa._memory import MemoryConnection, MemoryResource, MemoryStore
-from qtp.xa._mysql import MySQLResource
+from qtp.xa._mysql import MySQLResource, share_tls_context
 from qtp.xa._postgres import PostgresResource
 from qtp.xa._resource import Resource, Vote
 from qtp.xa._sql import BranchConnection, normalize_url
@@ -15,7 +15,7 @@ from qtp.xa._xid import FORMAT_ID, Xid
 
 __all__ = [
     "FORMAT_ID", "BranchConnection", "MemoryConnection", "MemoryResource", "MemoryStore", "MySQLResource",
-    "PostgresResource", "Resource", "Vote", "Xid", "normalize_url", "resource_for",
+    "PostgresResource", "Resource", "Vote", "Xid", "normalize_url", "resource_for", "share_tls_context",
 ]
 
 

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import sqlalchemy
 
 from qtp.errors import BacklogFullError, ConfigurationError
+from qtp.xa import share_tls_context
 from qtp.wsrm.codec import Addressing, Envelope, WsaVersion, anonymous, check_payload, mc_id
 from qtp.wsrm.codec._names import action as rm_action
 from qtp.wsrm.protocol import RMVersion, SequenceAcknowledgement
@@ -131,7 +132,8 @@ class Node:
             # checkout and no ROLLBACK on return (each costs a round trip per transaction): every use is
             # `engine.begin()`, which ends its transaction itself, and a connection found dead raises, which
             # SQLAlchemy answers by emptying the pool; each caller already retries a failed transaction.
-            engine = sqlalchemy.create_engine(url, pool_size=8, max_overflow=16, pool_reset_on_return=None)
+            engine = share_tls_context(sqlalchemy.create_engine(url, pool_size=8, max_overflow=16,
+                                                                pool_reset_on_return=None))
             self._stores[key] = SqlStore(resource, engine)
         return self._stores[key]
 
