@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequential", type=int, default=100,
                         help="transactions per variant in the one-at-a-time latency measurement")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--lanes", type=int, default=1, help="lanes of the channels between the two nodes")
     parser.add_argument("--out", default="benchmarks/results/coupled_bench.json")
     args = parser.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="qtp-coupled-bench-"))
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         for url in urls.values():
             accounts_schema(url)
         ids = node_ids(list(urls))
-        configs = write_configs(folder, urls, ids)
+        configs = write_configs(folder, urls, ids, lanes=args.lanes)
         recipient = NodeProcess(configs["b"], folder / "b.log", app="qtp.testing.coupled_app:node").start()
         node = qtp.Node.from_config(configs["a"])
         coupled = Coupled(node)

@@ -445,3 +445,46 @@ def test_a_node_killed_at_each_coupled_failpoint_leaves_every_transaction_atomic
         recipient.kill()
     assert result["tried"] == count and result["committed"] >= count - 2
     assert [r for r in rows(urls["b"], "XA RECOVER") if ids["b"].encode() in bytes(r[3])] == []
+
+
+def test_locks_of_a_prepared_recipient_are_released_at_the_deadline_while_the_sender_still_runs(banks):
+    """The application keeps its transaction open long after its coupled send: the shared recipient's
+    prepared branch (and its lock on the account) is rolled back a moment after the deadline, not when the
+    application finally ends; its commit then fails."""
+    b = banks({"a": ("pg", "queued"), "b": ("pg", "shared")})
+    a, bb = b["a"], b["b"]
+    with pytest.raises(RollbackError):
+        with a.node.manager.transaction() as tx:
+            a.open_here(tx, "acc-12")
+            sent = time.monotonic()
+            ids = a.coupled.send(tx, bb.id, b"<open id='acc-12'/>", action=OPEN, condition=processed(within=2))
+            wait_until(lambda: _inbound(bb.url).get(ids[bb.id]) == "prepared", 10, "b prepared (locks held)")
+            assert rows(bb.url, "SELECT COUNT(*) FROM pg_prepared_xacts WHERE database = current_database()")[0][0] == 1
+            wait_until(lambda: _inbound(bb.url).get(ids[bb.id]) == "rolled-back", 10, "b rolled back")
+            released = time.monotonic() - sent
+            assert rows(bb.url, "SELECT COUNT(*) FROM pg_prepared_xacts WHERE database = current_database()")[0][0] == 0
+            time.sleep(1.0)  # the application is still in its block
+    assert 2.0 <= released < 6.0
+    assert accounts(a.url) == {} and accounts(bb.url) == {}
+
+
+def test_a_prepared_recipient_past_its_deadline_asks_the_sender_and_gets_the_decision_again(banks):
+    """Recovery across nodes: a shared recipient that holds a prepared row past its deadline asks the
+    sender (Status); the sender answers from its sphere log. Here the recipient's row is put back to
+    "prepared" after the transaction committed, as a recipient would be that lost its decision; the answer
+    (Commit, resolved idempotently) settles it."""
+    b = banks({"a": ("pg", "queued"), "b": ("maria", "shared")})
+    a, bb = b["a"], b["b"]
+    with a.node.manager.transaction() as tx:
+        a.open_here(tx, "acc-13")
+        ids = a.coupled.send(tx, bb.id, b"<open id='acc-13'/>", action=OPEN, condition=processed(within=1.5))
+    cid = ids[bb.id]
+    wait_until(lambda: _inbound(bb.url).get(cid) == "committed", 15, "b committed")
+    engine = sa.create_engine(bb.url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE qtp_coupled_in SET state = 'prepared', decision = NULL WHERE id = :i"), {"i": cid})
+    engine.dispose()
+    wait_until(lambda: _inbound(bb.url).get(cid) == "committed", 20, "settled again by the sender's answer")
+    assert accounts(bb.url) == {"acc-13": "open"}
+    assert rows(a.url, "SELECT state, recipient FROM qtp_coupled_out WHERE id = :i".replace(":i", f"'{cid}'")) == \
+        [("committed", "committed")]

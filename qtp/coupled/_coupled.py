@@ -340,16 +340,20 @@ class Coupled:
         return len(rows)
 
     def _sweep(self, startup: bool = False) -> None:
-        """Presumed abort for senders that died: rows still "active" whose transaction is not running here
-        (at start-up: all of them; later: those past their deadline by the transaction timeout)."""
-        running = self.manager.in_flight()
+        """Presumed abort, and the deadline kept. At start-up every row still "active" is aborted (its
+        sender died before deciding). Later, every row past its deadline: a transaction of this node that
+        has not decided by then can no longer meet its condition (Phase 0 would fail), so its recipients are
+        told now, and a shared recipient holds its prepared branch, and its locks, no longer than the
+        deadline even while the application keeps the transaction open. A Phase 0 that met its conditions
+        and is committing holds the rows' locks: they are skipped, and whichever commits first wins (the
+        other finds the rows moved and rolls back, or finds nothing to abort)."""
         for store in {id(s): s for s in self._coupled_stores()}.values():
-            where = [] if startup else [tables.outbound.c.deadline < time.time() - self.manager.timeout]
+            where = [] if startup else [tables.outbound.c.deadline < time.time() - 0.5]
             with store.local() as conn:
                 gtrids = {g for (g,) in conn.execute(sa.select(tables.outbound.c.gtrid).distinct().where(
                     tables.outbound.c.state == ACTIVE, *where))}
-            for gtrid in gtrids - running - set(self._spheres):
-                self._abort_rows(store, [tables.outbound.c.gtrid == gtrid], skip_locked=True)
+            for gtrid in gtrids:
+                self._abort_rows(store, [tables.outbound.c.gtrid == gtrid, *where], skip_locked=True)
 
     def _on_notify(self, tx: Any, message: Any) -> None:
         control = self._control(message)

@@ -60,7 +60,7 @@ def _limits(overrides: str) -> str:
 
 def write_configs(folder: Path, urls: dict[str, str], ids: dict[str, str], limits: str = "",
                   extra: dict[str, str] | None = None, ports: dict[str, int] | None = None,
-                  via: dict[str, int] | None = None) -> dict[str, Path]:
+                  via: dict[str, int] | None = None, lanes: int = 1) -> dict[str, Path]:
     """One qtp.toml per role: its app database (also its store, xa), an endpoint, a channel to every other
     node named by that node's id. ``via``: role -> the port others reach it through (a lossy proxy)."""
     ports = ports or {role: free_port() for role in urls}
@@ -72,6 +72,7 @@ def write_configs(folder: Path, urls: dict[str, str], ids: dict[str, str], limit
 peer = "http://127.0.0.1:{via.get(other, ports[other])}/rm"
 store = "app"
 mode = "xa"
+lanes = {lanes}
 ''' for other in urls if other != role)
         text = f'''
 [node]
