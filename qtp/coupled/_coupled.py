@@ -165,6 +165,7 @@ class Coupled:
                 "shorten within=")
         payload = payload.encode() if isinstance(payload, str) else payload
         compensation = compensation.encode() if isinstance(compensation, str) else compensation
+        targets = {name: self._channel(name) for name in names}  # every channel checked before anything leaves
         sphere = self._sphere(tx)
         # the census (HTS): who joined matters for "delivered" conditions, and for a fan-out that does not need
         # everyone (a shared recipient that joined must then vote before the sender decides); otherwise the
@@ -174,8 +175,11 @@ class Coupled:
         now = time.time()
         deadline = now + condition.within
         ids: dict[str, str] = {}
+        # registered before the first original leaves: if a later one fails and the application commits
+        # anyway, the condition still covers (and the decision still reaches) every original that left
+        sphere.sent.append(_Sent(condition, deadline, ids))
         for name in names:
-            settings, store = self._channel(name)
+            settings, store = targets[name]
             with self._lock:
                 self._counter += 1
                 coupling_id = f"{tx.xid}:{self._counter}"
@@ -193,7 +197,6 @@ class Coupled:
                 store.enqueue(conn, self._outgoing(settings, coupling_id, "Message", body))
             sphere.stores[settings.store] = store
             ids[name] = coupling_id
-        sphere.sent.append(_Sent(condition, deadline, ids))
         self.node.sender.wake.set()
         failpoint("coupled_after_send")  # the originals are on their way, the sender has not decided
         return ids
