@@ -31,7 +31,8 @@
         ├── DuplicateApplyError           a message id applied already: its second copy's apply is refused
         ├── TransportError                the peer could not be reached or did not answer (retryable)
         ├── ProtocolError                 an event a WS-RM state machine does not allow; the sequence failed
-        └── EncodingError                 an envelope the chosen WS-RM/SOAP version cannot express (a bug)
+        ├── EncodingError                 an envelope the chosen WS-RM/SOAP version cannot express (a bug)
+        └── CoupledWireError              a coupled-messaging control message that does not follow coupled.xsd
 
 Lower-layer exceptions are translated where qtp meets the driver, with ``raise ... from exc``.
 """
@@ -211,3 +212,7 @@ class ProtocolError(MessagingError):
 
 class EncodingError(MessagingError, ValueError):
     """qtp was asked to emit an envelope its version cannot express; a bug in the caller, never sent."""
+
+
+class CoupledWireError(MessagingError):
+    """A coupled-messaging control message (``qtp.coupled``) that does not follow ``coupled.xsd``."""

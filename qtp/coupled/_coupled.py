@@ -52,8 +52,8 @@ import sqlalchemy as sa
 from qtp.coordinator.failpoints import failpoint
 from qtp.coupled import _tables as tables
 from qtp.coupled._conditions import Condition, processed
-from qtp.coupled._wire import ACTION, COUPLINGS, Control, CoupledWireError, decode, encode
-from qtp.errors import ConfigurationError, RollbackError
+from qtp.coupled._wire import ACTION, COUPLINGS, Control, decode, encode
+from qtp.errors import ConfigurationError, CoupledWireError, RollbackError
 from qtp.wsrm.store import Outgoing
 from qtp.xa import Xid
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from lxml import etree
 
-from qtp.errors import QtpError
+from qtp.errors import CoupledWireError
 
 NS = "urn:qtp:coupled:2026-11"
 _Q = "{%s}" % NS
@@ -31,10 +31,6 @@ COUPLINGS = ("shared", "compensatable", "queued")
 STATES = ("delivered", "processed", "prepared", "failed", "committed", "cancelled", "rolled-back", "compensated",
           "compensation-failed")
 _PARSER = etree.XMLParser(resolve_entities=False, no_network=True, huge_tree=False, remove_blank_text=False)
-
-
-class CoupledWireError(QtpError):
-    """A coupled control message that does not follow coupled.xsd."""
 
 
 @dataclass(frozen=True)
