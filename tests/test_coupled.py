@@ -419,18 +419,21 @@ def test_a_shared_recipient_that_could_not_record_its_vote_undoes_its_prepared_w
     assert [r for r in rows(bb.url, "XA RECOVER") if bb.id.encode() in bytes(r[3])] == []
 
 
-@pytest.mark.parametrize("point,victim", [("coupled_after_prepare", "recipient"), ("coupled_after_send", "sender"),
-                                          ("coupled_before_commit", "sender")])
-def test_a_node_killed_at_each_coupled_failpoint_leaves_every_transaction_atomic(request, tmp_path, point, victim):
+@pytest.mark.parametrize("point,victim,level", [
+    ("coupled_after_prepare", "recipient", "processed"), ("coupled_after_send", "sender", "processed"),
+    ("coupled_after_send", "sender", "delivered"), ("coupled_before_commit", "sender", "processed")])
+def test_a_node_killed_at_each_coupled_failpoint_leaves_every_transaction_atomic(request, tmp_path, point, victim,
+                                                                                 level):
     """Processes; the named node kills itself (SIGKILL) at the failpoint on its 3rd pass, is restarted without
-    it, and the 8 transactions end atomic; nothing stays prepared."""
+    it, and the 8 transactions end atomic; nothing stays prepared. ``delivered``: the sender waits for the
+    census (the shared recipient joins, then must vote), so the kill falls in the census."""
     from qtp.testing.coupled_nodes import judge, settled
 
     count = 8
     fail = {"QTP_FAILPOINTS": f"{point}=crash@3"}
     urls, ids, sender, recipient = _process_pair(
         request, tmp_path, count, {"QTP_COUPLED_COUPLING": "shared", **(fail if victim == "recipient" else {})},
-        {"QTP_COUPLED_WITHIN": "4", **(fail if victim == "sender" else {})})
+        {"QTP_COUPLED_WITHIN": "4", "QTP_COUPLED_LEVEL": level, **(fail if victim == "sender" else {})})
     dying = recipient if victim == "recipient" else sender
     try:
         recipient.start()

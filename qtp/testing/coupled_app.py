@@ -13,7 +13,8 @@ Every node opens accounts (table ``accounts``, ``qtp.testing.coupled_nodes.ACCOU
   payload's ``reply`` attribute;
 - ``QTP_COUPLED_SEND=N`` with ``QTP_COUPLED_TO=id,id,...``: open accounts acc-1..acc-N, each in a transaction
   that inserts it here and sends it as one conditional message to those nodes (processed by every recipient
-  within ``QTP_COUPLED_WITHIN`` s, default 5); every ``QTP_COUPLED_ABORT_EVERY``-th transaction raises after
+  within ``QTP_COUPLED_WITHIN`` s, default 5; ``QTP_COUPLED_LEVEL=delivered``: delivered instead, a census);
+  every ``QTP_COUPLED_ABORT_EVERY``-th transaction raises after
   the send. Before each transaction its number is recorded in ``attempts`` (a local commit), so that after a
   restart the thread goes on after the last one tried. The outcome the sender saw is not recorded: the
   judge reads the databases only.
@@ -30,7 +31,7 @@ import sqlalchemy as sa
 from lxml import etree
 
 import qtp
-from qtp.coupled import Coupled, processed
+from qtp.coupled import Coupled, delivered, processed
 
 logging.basicConfig(level=os.environ.get("QTP_TEST_LOG", "WARNING"),
                     format="%(asctime)s %(process)d %(threadName)s %(name)s %(levelname)s %(message)s", force=True)
@@ -107,8 +108,10 @@ def _send(count: int, recipients: list[str], within: float, abort_every: int) ->
             with node.manager.transaction(timeout=within + 30) as tx:
                 tx.connection("app").execute(sa.text("INSERT INTO accounts (id, k, status) VALUES (:i, :k, 'open')"),
                                              {"i": f"acc-{k}", "k": k})
-                coupled.send(tx, recipients, f"<open id='acc-{k}'/>", action=OPEN,
-                             condition=processed(within=within), compensation=f"<close id='acc-{k}'/>")
+                condition = (delivered if os.environ.get("QTP_COUPLED_LEVEL") == "delivered" else processed)(
+                    within=within)
+                coupled.send(tx, recipients, f"<open id='acc-{k}'/>", action=OPEN, condition=condition,
+                             compensation=f"<close id='acc-{k}'/>")
                 if abort_every and k % abort_every == 0:
                     raise RuntimeError("aborted by the test")
         except Exception as exc:
