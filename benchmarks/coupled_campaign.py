@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from pathlib import Path
 from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres, free_port
 from qtp.testing.coupled_nodes import accounts_schema, judge, node_ids, settled, write_configs
 from qtp.testing.lossy_proxy import LossyProxy
-from qtp.testing.nodes import NodeProcess, rows
+from qtp.testing.nodes import NodeProcess, reconcile_report, rows
 
 VICTIMS = ("sender", "b", "c", "postgresql", "mariadb")
 APP = "qtp.testing.coupled_app:node"
@@ -43,18 +42,6 @@ def _count(url: str, query: str) -> int:
         return int(rows(url, query)[0][0] or 0)
     except Exception:  # the database is being killed: no reading this time
         return -1
-
-
-def _reconcile(out: Path, client_url: str, server_url: str, name: str) -> dict:
-    report = out / f"reconcile-{name}.json"
-    command = [sys.executable, "-m", "qtp", "reconcile", "--client-url", client_url, "--client-table",
-               "coupled_outcomes", "--server-url", server_url, "--server-table", "accounts", "--key", "k",
-               "--client-status-column", "status", "--server-compensated", "status=closed", "--json", str(report),
-               "--quiet", "--conf", "spark.ui.enabled=false"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode not in (0, 1) or not report.exists():
-        raise SystemExit(f"qtp reconcile failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(report.read_text())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
             judged["verdict"] = "atomic"
         except AssertionError as exc:
             judged = {"verdict": "violated", "problems": str(exc)[:2000]}
-        spark = {role: _reconcile(out, urls["a"], urls[role], role) for role in ("b", "c")}
+        spark = {role: reconcile_report(out / f"reconcile-{role}.json", urls["a"], "coupled_outcomes", urls[role],
+                                        "accounts", "--server-compensated", "status=closed") for role in ("b", "c")}
     finally:
         if args.stop_databases:
             pg.stop()

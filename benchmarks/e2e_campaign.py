@@ -22,7 +22,6 @@ import argparse
 import json
 import random
 import secrets
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,8 @@ from pathlib import Path
 
 from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres, free_port
 from qtp.testing.lossy_proxy import LossyProxy
-from qtp.testing.nodes import NodeProcess, Pair, client_schema, listening_ports, rows, server_schema
+from qtp.testing.nodes import (NodeProcess, Pair, client_schema, listening_ports, reconcile_report, rows,
+                               server_schema)
 
 ABORT_EVERY = 13
 FAILPOINTS = {
@@ -163,15 +163,7 @@ def _drain(c: Campaign, pair: Pair, nodes: dict[str, NodeProcess], proxies: list
 
 
 def _reconcile(c: Campaign, pair: Pair, server_table: str, server_url: str, name: str) -> dict:
-    report = c.out / f"reconcile-{name}.json"
-    command = [sys.executable, "-m", "qtp", "reconcile", "--client-url", pair.client_app, "--client-table", "orders",
-               "--server-url", server_url, "--server-table", server_table, "--key", "k",
-               "--client-status-column", "status", "--json", str(report), "--quiet",
-               "--conf", "spark.ui.enabled=false"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode not in (0, 1) or not report.exists():
-        raise SystemExit(f"qtp reconcile failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(report.read_text())
+    return reconcile_report(c.out / f"reconcile-{name}.json", pair.client_app, "orders", server_url, server_table)
 
 
 def run(args: argparse.Namespace) -> int:

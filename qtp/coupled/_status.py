@@ -12,13 +12,13 @@ import sqlalchemy as sa
 from qtp._render import age, table
 from qtp.config import Config
 from qtp.coupled import _tables as tables
+from qtp.coupled._coupled import SETTLED
 from qtp.coupled._wire import ACTION, Control, encode
 from qtp.errors import ConfigurationError
 from qtp.wsrm.runtime._settings import node_settings
 from qtp.wsrm.runtime._status import stores
 from qtp.wsrm.store import Outgoing
 
-SETTLED = ("committed", "cancelled", "rolled-back", "compensated", "failed")
 
 
 def _present(engine: sa.Engine) -> bool:

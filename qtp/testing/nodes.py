@@ -310,3 +310,19 @@ def check_exactly_once(client_url: str, server_url: str, reply: bool, failed: se
         wrong += [(k, v) for k, v in got.items() if k not in committed]
         assert not wrong, f"orders without exactly one reply (k, (replies, faults)): {sorted(wrong)[:20]}"
     return {"committed": len(committed), "applied": len(applied), "sequences": len(by_sequence)}
+
+
+def reconcile_report(report: Path, client_url: str, client_table: str, server_url: str, server_table: str,
+                     *extra: str) -> dict:
+    """Run ``qtp reconcile`` (Spark) on the key ``k`` with the client's ``status`` column, in its own process;
+    return its JSON report (a campaign's verdict). ``extra``: more options (``--server-compensated ...``)."""
+    import json
+
+    command = [sys.executable, "-m", "qtp", "reconcile", "--client-url", client_url, "--client-table", client_table,
+               "--server-url", server_url, "--server-table", server_table, "--key", "k",
+               "--client-status-column", "status", *extra, "--json", str(report), "--quiet",
+               "--conf", "spark.ui.enabled=false"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode not in (0, 1) or not report.exists():
+        raise SystemExit(f"qtp reconcile failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(report.read_text())
