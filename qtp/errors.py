@@ -29,6 +29,7 @@
     └── MessagingError                    the queue runtime (qtp.wsrm)
         ├── BacklogFullError              tx.send on a channel whose unacknowledged backlog is full (retryable)
         ├── DuplicateApplyError           a message id applied already: its second copy's apply is refused
+        ├── MessageRefusedError           a handler refuses a message for good: a dead letter at once
         ├── TransportError                the peer could not be reached or did not answer (retryable)
         ├── ProtocolError                 an event a WS-RM state machine does not allow; the sequence failed
         ├── EncodingError                 an envelope the chosen WS-RM/SOAP version cannot express (a bug)
@@ -181,6 +182,11 @@ class DuplicateApplyError(MessagingError):
     retryable = True
 
 
+class MessageRefusedError(MessagingError):
+    """A handler refuses a message for good: it is malformed or cannot be served here, and no later attempt
+    could change that. The invoker makes it a dead letter at once instead of trying ``max_attempts`` times."""
+
+
 class BacklogFullError(MessagingError):
     """``tx.send`` on a channel whose backlog is at ``[limits] max_backlog``: the peer is slow or down."""
 
@@ -216,3 +222,17 @@ class EncodingError(MessagingError, ValueError):
 
 class CoupledWireError(MessagingError):
     """A coupled-messaging control message (``qtp.coupled``) that does not follow ``coupled.xsd``."""
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` says something outside the code was briefly unavailable (a database unreachable, a
+    connection lost, a conflict), so that trying again later can succeed with nothing changed: such a failure
+    delays work and never counts as a refusal. qtp's own errors say it with ``retryable``; an error of the
+    driver that reached here untranslated is transient when SQLAlchemy calls it an operational or interface
+    error or saw the connection invalidated."""
+    if isinstance(exc, QtpError):
+        return bool(exc.retryable)
+    from sqlalchemy import exc as sa_exc
+
+    return isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)) or \
+        bool(getattr(exc, "connection_invalidated", False))

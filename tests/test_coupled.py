@@ -228,14 +228,16 @@ def _c14n(xml: bytes | None) -> bytes | None:
 
 def test_every_control_message_follows_the_schema_and_bad_ones_are_refused():
     schema = etree.XMLSchema(etree.parse(str(SCHEMA)))
+    t = wire.new_token()
     made = [
         wire.Control("Message", "n/1:1", transaction="n/1", coordinator="n", action="urn:x", deadline=12.5,
-                     body=b"<x:a xmlns:x='urn:x'>1</x:a>"),
+                     body=b"<x:a xmlns:x='urn:x'>1</x:a>", token=t),
         wire.Control("Message", "n/1:2", transaction="n/1", coordinator="n", action="urn:x", deadline=1.0,
-                     body=b"<a/>", census=True),
-        wire.Control("Commit", "n/1:1"), wire.Control("Abort", "n/1:1"),
-        wire.Control("Abort", "n/1:1", body=b"<undo/>"), wire.Control("Status", "n/1:1"),
-        *[wire.Control("Notify", "n/1:1", state=s, coupling=c, reason="r" if s == "failed" else None)
+                     body=b"<a/>", census=True, token=t, require="shared"),
+        wire.Control("Commit", "n/1:1", token=t), wire.Control("Commit", "n/1:1", token=t, coordinator="n"),
+        wire.Control("Abort", "n/1:1", token=t), wire.Control("Status", "n/1:1", token=t),
+        wire.Control("Abort", "n/1:1", body=b"<undo/>", token=t, coordinator="n"),
+        *[wire.Control("Notify", "n/1:1", state=s, coupling=c, reason="r" if s == "failed" else None, token=t)
           for s in wire.STATES for c in wire.COUPLINGS],
     ]
     for control in made:
@@ -243,6 +245,9 @@ def test_every_control_message_follows_the_schema_and_bad_ones_are_refused():
         schema.assertValid(etree.fromstring(payload))
         decoded = wire.decode(wire.ACTION[control.kind], payload)
         assert replace(decoded, body=_c14n(decoded.body)) == replace(control, body=_c14n(control.body))
+    for bad in (replace(made[2], token=""), replace(made[0], require="loose")):
+        with pytest.raises(wire.CoupledWireError):
+            wire.encode(bad)
     for action, payload in [
         (wire.ACTION["Commit"], b"<Commit xmlns='urn:other'><Id>x</Id></Commit>"),
         (wire.ACTION["Notify"], f"<qc:Notify xmlns:qc='{wire.NS}'><qc:Id>x</qc:Id><qc:State>won</qc:State>"
@@ -254,6 +259,9 @@ def test_every_control_message_follows_the_schema_and_bad_ones_are_refused():
                                  "</qc:Deadline><qc:Census>maybe</qc:Census><qc:Body><a/></qc:Body></qc:Message>"
                                  .encode()),
         ("urn:not-coupled", b"<a/>"),
+        (wire.ACTION["Commit"], f"<qc:Commit xmlns:qc='{wire.NS}'><qc:Id>x</qc:Id></qc:Commit>".encode()),  # no token
+        (wire.ACTION["Commit"], f"<qc:Commit xmlns:qc='{wire.NS}'><qc:Id>x</qc:Id><qc:Token>{'A' * 32}</qc:Token>"
+                                "</qc:Commit>".encode()),
         (wire.ACTION["Commit"], b"<!DOCTYPE x [<!ENTITY e SYSTEM 'file:///etc/passwd'>]><x>&e;</x>"),
     ]:
         with pytest.raises(wire.CoupledWireError):
@@ -366,14 +374,14 @@ def test_a_compensation_that_keeps_failing_is_kept_in_the_log_shown_and_retried_
     b = banks({"a": ("pg", "queued"), "b": ("maria", "compensatable")})
     a, bb = b["a"], b["b"]
     broken = {"yes": True}
-    original = bb.coupled._compensators[OPEN]
+    original = bb.coupled.recipient.compensators[OPEN]
 
     def flaky(tx, message):
         if broken["yes"]:
             raise RuntimeError("the compensator's service is down")
         original(tx, message)
 
-    bb.coupled._compensators[OPEN] = flaky
+    bb.coupled.recipient.compensators[OPEN] = flaky
     with pytest.raises(RuntimeError, match="app"):
         with a.node.manager.transaction() as tx:
             a.open_here(tx, "acc-10")

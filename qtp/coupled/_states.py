@@ -43,6 +43,14 @@ SENDER: dict[tuple[str, str], str] = {
 # How far each report goes; a later report never moves the sender's row back.
 REPORT_RANK = {"sent": 0, "delivered": 1, "processed": 2, "prepared": 2, "failed": 3, "committed": 4,
                "cancelled": 4, "rolled-back": 4, "compensated": 4, "compensation-failed": 4}
+
+
+def goes_further(report: str, known: str) -> bool:
+    """Whether a recipient's ``report`` replaces the ``known`` one: never backwards; at the same rank only
+    another state (an operator's retry turns "compensation-failed" into "compensated")."""
+    return report != known and REPORT_RANK.get(report, 0) >= REPORT_RANK.get(known, 0)
+
+
 # A recipient that reported one of these has nothing left to undo: the compensation log's entry is closed.
 SETTLED = frozenset({"committed", "cancelled", "rolled-back", "compensated", "failed"})
 
@@ -121,7 +129,7 @@ def next_state(table: dict[tuple[str | None, str], str], state: str | None, even
     try:
         return table[(state, event)]
     except KeyError:
-        raise ProtocolError(f"coupled messaging: {event!r} is not allowed in state {state!r}") from None
+        raise ProtocolError("a coupled-messaging row", str(state), event, "not in its transition table") from None
 
 
 def allowed(table: dict[tuple[str | None, str], str], state: str | None, event: str) -> bool:

@@ -11,8 +11,7 @@ import sqlalchemy as sa
 
 from qtp._render import age, table
 from qtp.config import Config
-from qtp.coupled import _tables as tables
-from qtp.coupled._coupled import SETTLED
+from qtp.coupled import _log as log_
 from qtp.coupled._wire import ACTION, Control, encode
 from qtp.errors import ConfigurationError
 from qtp.wsrm.runtime._settings import node_settings
@@ -28,24 +27,18 @@ def _present(engine: sa.Engine) -> bool:
 def coupled_status(config: Config, limit: int = 50) -> dict[str, Any]:
     """Sender rows undecided, the compensation log's open entries, recipient rows waiting or prepared."""
     now = time.time()
-    out = tables.outbound.c
-    inb = tables.inbound.c
     waiting, open_entries, prepared, failed, received = 0, [], [], [], 0
     for name, _, engine in stores(config):
         if not _present(engine):
             continue
         with engine.connect() as conn:
-            waiting += conn.execute(sa.select(sa.func.count()).where(out.state == "active")).scalar() or 0
-            open_entries += [dict(r._mapping) | {"store": name} for r in conn.execute(
-                sa.select(out.id, out.channel, out.recipient, out.coupling, out.reason, out.updated_at)
-                .where(out.state == "aborted", out.recipient.not_in(SETTLED)).order_by(out.updated_at).limit(limit))]
-            prepared += [dict(r._mapping) for r in conn.execute(
-                sa.select(inb.id, inb.coordinator, inb.deadline, inb.updated_at).where(inb.state == "prepared")
-                .order_by(inb.updated_at).limit(limit))]
-            failed += [dict(r._mapping) for r in conn.execute(
-                sa.select(inb.id, inb.coordinator, inb.state, inb.error).where(
-                    inb.state.in_(["failed", "compensation-failed"])).order_by(inb.updated_at).limit(limit))]
-            received += conn.execute(sa.select(sa.func.count()).where(inb.state == "received")).scalar() or 0
+            waiting += log_.undecided_count(conn)
+            open_entries += [{k: r._mapping[k] for k in ("id", "channel", "recipient", "coupling", "reason",
+                                                         "updated_at")} | {"store": name}
+                             for r in log_.open_compensations(conn, limit)]
+            prepared += [dict(r._mapping) for r in log_.prepared_rows(conn, limit)]
+            failed += [dict(r._mapping) for r in log_.recipient_failures(conn, limit)]
+            received += log_.waiting_count(conn)
     for entry in open_entries:
         entry["age_s"] = round(now - entry.pop("updated_at"), 3)
     for entry in prepared:
@@ -90,17 +83,12 @@ def render_coupled(status: dict[str, Any]) -> str:
 
 def entries(config: Config, everything: bool = False) -> list[dict[str, Any]]:
     """The sender's rows: the open compensation-log entries, or every row."""
-    out = tables.outbound.c
     found = []
     for name, _, engine in stores(config):
         if not _present(engine):
             continue
-        query = sa.select(out.id, out.gtrid, out.channel, out.action, out.state, out.recipient, out.coupling,
-                          out.reason, out.updated_at).order_by(out.created_at)
-        if not everything:
-            query = query.where(out.state == "aborted", out.recipient.not_in(SETTLED))
         with engine.connect() as conn:
-            found += [dict(r._mapping) | {"store": name} for r in conn.execute(query)]
+            found += [dict(r._mapping) | {"store": name} for r in log_.entries(conn, everything)]
     return found
 
 
@@ -108,24 +96,21 @@ def retry(config: Config, ids: list[str] | None) -> list[str]:
     """Send the Abort of these aborted rows again (None: every open entry); returns the ids sent. The running
     node's sender takes the new messages from its store; a stopped node sends them when it starts."""
     settings = node_settings(config.messaging, set(config.resources))
-    out = tables.outbound.c
     sent: list[str] = []
     for _, store, engine in stores(config):
         if not _present(engine):
             continue
         with store.local() as conn:
-            query = sa.select(out.id, out.channel, out.compensation, out.state, out.recipient).where(
-                out.state == "aborted")
-            query = query.where(out.id.in_(ids)) if ids else query.where(out.recipient.not_in(SETTLED))
-            for row in conn.execute(query.with_for_update()).all():
+            for row in log_.lock_aborted(conn, ids):
                 channel = settings.channels.get(row.channel)
                 if channel is None:
                     raise ConfigurationError(f"coupled message {row.id} went to channel {row.channel!r}, which "
                                              "this node's configuration no longer has")
+                abort = Control("Abort", row.id, body=row.compensation, token=row.token or "",
+                                coordinator=config.node_id)
                 store.enqueue(conn, Outgoing(route=channel.route_for(row.id), message_id=f"urn:uuid:{uuid.uuid4()}",
-                                             action=ACTION["Abort"], enqueued_at=time.time(),
-                                             payload=encode(Control("Abort", row.id, body=row.compensation))))
-                conn.execute(tables.outbound.update().where(out.id == row.id).values(updated_at=time.time()))
+                                             action=ACTION["Abort"], enqueued_at=time.time(), payload=encode(abort)))
+                log_.touch(conn, row.id)
                 sent.append(row.id)
     missing = sorted(set(ids or ()) - set(sent))
     if missing:

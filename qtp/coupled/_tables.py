@@ -34,6 +34,7 @@ outbound = sa.Table(
     sa.Column("recipient", sa.String(24), nullable=False),   # sent, or the recipient's last Notify state
     sa.Column("coupling", sa.String(16)),
     sa.Column("reason", sa.String(1024)),
+    sa.Column("token", sa.String(32)),                       # the coupling's secret (every control message)
     sa.Column("deadline", sa.Float(53), nullable=False),
     sa.Column("created_at", sa.Float(53), nullable=False),
     sa.Column("updated_at", sa.Float(53), nullable=False),
@@ -46,6 +47,7 @@ inbound = sa.Table(
     sa.Column("id", _ID, primary_key=True),
     sa.Column("coordinator", sa.String(64), nullable=False),
     sa.Column("owner", _ID),                                 # the authenticated peer that sent it (None: anonymous)
+    sa.Column("token", sa.String(32)),                       # the coupling's secret, from the original
     sa.Column("gtrid", sa.String(64), nullable=False),       # the sender's transaction
     sa.Column("action", sa.String(1024), nullable=False),
     sa.Column("coupling", sa.String(16), nullable=False),
@@ -62,8 +64,19 @@ inbound = sa.Table(
     sa.Column("received_at", sa.Float(53), nullable=False),
     sa.Column("updated_at", sa.Float(53), nullable=False),
     sa.Index("qtp_coupled_in_state", "state", "next_at"),
+    sa.Index("qtp_coupled_in_owner", "owner", "state"),
 )
 
 
 def create(engine: sa.Engine) -> None:
+    """Create the tables, and add the columns a table made by an earlier version lacks."""
     metadata.create_all(engine)
+    inspector = sa.inspect(engine)
+    for table in metadata.tables.values():
+        present = {c["name"] for c in inspector.get_columns(table.name)}
+        missing = [c for c in table.columns if c.name not in present]
+        if missing:
+            with engine.begin() as conn:
+                for column in missing:
+                    kind = column.type.compile(dialect=engine.dialect)
+                    conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}"))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+import secrets
 from dataclasses import dataclass
 
 from lxml import etree
@@ -30,6 +32,7 @@ KIND_OF = {action: kind for kind, action in ACTION.items()}
 COUPLINGS = ("shared", "compensatable", "queued")
 STATES = ("delivered", "processed", "prepared", "failed", "committed", "cancelled", "rolled-back", "compensated",
           "compensation-failed")
+_TOKEN = re.compile(r"[0-9a-f]{32}")
 _PARSER = etree.XMLParser(resolve_entities=False, no_network=True, huge_tree=False, remove_blank_text=False)
 
 
@@ -48,6 +51,8 @@ class Control:
     coupling: str | None = None
     reason: str | None = None
     census: bool = False        # Message: report "delivered" too
+    token: str = ""             # the coupling's secret (every kind)
+    require: str | None = None  # Message: the coupling the sender requires
 
 
 def _text(parent: etree._Element, name: str, value: str) -> None:
@@ -65,8 +70,11 @@ def encode(control: Control) -> bytes:
         raise CoupledWireError(f"unknown coupled message kind {control.kind!r}")
     if not control.id or len(control.id) > 255:
         raise CoupledWireError("a coupled message id has 1 to 255 characters")
+    if not _TOKEN.fullmatch(control.token):
+        raise CoupledWireError("a coupled message's token is 32 hexadecimal digits (new_token())")
     root = etree.Element(_Q + control.kind, nsmap={"qc": NS})
     _text(root, "Id", control.id)
+    _text(root, "Token", control.token)
     if control.kind == "Message":
         _text(root, "Transaction", control.transaction or "")
         _text(root, "Coordinator", control.coordinator or "")
@@ -74,9 +82,16 @@ def encode(control: Control) -> bytes:
         _text(root, "Deadline", repr(float(control.deadline or 0.0)))
         if control.census:
             _text(root, "Census", "true")
+        if control.require is not None:
+            if control.require not in COUPLINGS:
+                raise CoupledWireError(f"unknown coupling {control.require!r}")
+            _text(root, "Require", control.require)
         _body(root, control.body or b"")
-    elif control.kind == "Abort" and control.body is not None:
-        _body(root, control.body)
+    elif control.kind in ("Commit", "Abort"):
+        if control.coordinator:
+            _text(root, "Coordinator", control.coordinator)
+        if control.kind == "Abort" and control.body is not None:
+            _body(root, control.body)
     elif control.kind == "Notify":
         if control.state not in STATES or control.coupling not in COUPLINGS:
             raise CoupledWireError(f"bad notification {control.state!r}/{control.coupling!r}")
@@ -123,10 +138,12 @@ def decode(action: str, payload: bytes | None) -> Control:
         etree.cleanup_namespaces(element)
         return etree.tostring(element)
 
-    identifier = text("Id")
-    assert identifier is not None
+    identifier = text("Id") or ""
     if len(identifier) > 255:
         raise CoupledWireError("a coupled message id over 255 characters")
+    token = text("Token") or ""
+    if not _TOKEN.fullmatch(token):
+        raise CoupledWireError(f"a coupled {kind}'s Token is not 32 hexadecimal digits")
     if kind == "Message":
         try:
             deadline = float(text("Deadline") or "")
@@ -140,13 +157,24 @@ def decode(action: str, payload: bytes | None) -> Control:
         census = text("Census", required=False)
         if census not in (None, "true", "false", "1", "0"):
             raise CoupledWireError(f"a coupled Message's Census is not a boolean: {census!r}")
+        require = text("Require", required=False)
+        if require is not None and require not in COUPLINGS:
+            raise CoupledWireError(f"a coupled Message requires an unknown coupling {require!r}")
         return Control(kind, identifier, transaction=text("Transaction"), coordinator=text("Coordinator"),
-                       action=text("Action"), deadline=deadline, body=payload_body, census=census in ("true", "1"))
-    if kind == "Abort":
-        return Control(kind, identifier, body=body())
+                       action=text("Action"), deadline=deadline, body=payload_body, census=census in ("true", "1"),
+                       token=token, require=require)
+    if kind in ("Commit", "Abort"):
+        return Control(kind, identifier, coordinator=text("Coordinator", required=False),
+                       body=body() if kind == "Abort" else None, token=token)
     if kind == "Notify":
         state, coupling = text("State"), text("Coupling")
         if state not in STATES or coupling not in COUPLINGS:
             raise CoupledWireError(f"a coupled Notify with state {state!r} and coupling {coupling!r}")
-        return Control(kind, identifier, state=state, coupling=coupling, reason=text("Reason", required=False))
-    return Control(kind, identifier)
+        return Control(kind, identifier, state=state, coupling=coupling, reason=text("Reason", required=False),
+                       token=token)
+    return Control(kind, identifier, token=token)
+
+
+def new_token() -> str:
+    """A fresh coupling secret."""
+    return secrets.token_hex(16)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from qtp.coordinator.failpoints import failpoint
 from sqlalchemy.exc import SQLAlchemyError
 
-from qtp.errors import OutcomeUnknownError, QtpError
+from qtp.errors import MessageRefusedError, OutcomeUnknownError, QtpError, transient
 from qtp.wsrm.codec import WsaVersion, check_payload
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION
 from qtp.wsrm.protocol import (
@@ -145,6 +145,7 @@ class Invoker:
         self._schedule = _Schedule()
         self._parked: set[tuple[str, int]] = set()  # waiting for a handler to be registered
         self._cache: dict[tuple[str, int], Incoming] = {}  # just stored, not yet applied
+        self._outages: dict[tuple[str, int], int] = {}  # transient failures in a row, per message (not attempts)
         self._threads: list[threading.Thread] = []
         self._stopping = False
 
@@ -431,6 +432,8 @@ class Invoker:
         """``number`` (in flight) and the ``following`` numbers of its batch are applied."""
         done = set(following or ())
         self._uncache(identifier, [number, *done])
+        if self._outages:
+            self._outages.pop((identifier, number), None)
         actions: list[Any] = []
         with self._mutex:
             machine = self.ensure(identifier)
@@ -467,12 +470,21 @@ class Invoker:
         limits = self.node.limits
         self._uncache(message.identifier, [message.number])  # its attempts change: read it back next time
         error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        attempts = message.attempts + 1
         now = time.time()
+        if transient(exc):  # an outage delays the message and never ends it: only a refusal counts
+            key = (message.identifier, message.number)
+            outages = self._outages[key] = self._outages.get(key, 0) + 1
+            delay = limits.backoff(outages)
+            log.warning("delivery of %s #%d failed for a transient cause (%d time(s); not counted as an attempt, "
+                        "next in %.1f s): %s", message.identifier, message.number, outages, delay, error)
+            self._abort(message.identifier, message.number, at=now + delay)
+            return
+        self._outages.pop((message.identifier, message.number), None)
+        attempts = max(message.attempts + 1, limits.max_attempts if isinstance(exc, MessageRefusedError) else 0)
         if attempts >= limits.max_attempts and not self._dead_letters_full():
             self._dead_letter(replace(message, attempts=attempts, last_error=error), error, now)
             return
-        delay = min(limits.retry_backoff * 2 ** (attempts - 1), limits.retry_backoff_max)
+        delay = limits.backoff(attempts)
         if attempts >= limits.max_attempts:
             delay = limits.retry_backoff_max
             log.error("message %s (%s #%d) failed %d times, but the dead letters are at their cap ([limits] "

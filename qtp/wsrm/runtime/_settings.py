@@ -66,6 +66,12 @@ class Limits:
       refused before it is stored (a sender within its window never comes near it).
     - ``max_response_bytes``: a peer's answer longer than this is not read (the request counts as failed).
     - ``http_idle_timeout``: seconds an idle or slow HTTP connection is kept before it is closed.
+    - Coupled messaging (``qtp.coupled``): ``max_coupled_deadline``: seconds; a coupled send may not ask for
+      more (``within=``), and a recipient treats an original's deadline as at most this far from its
+      arrival; ``max_prepared_per_peer``: a shared recipient holds at most this many subordinate
+      transactions (prepared or being prepared) for one peer (or for all anonymous peers together), and
+      refuses further originals of that peer until some are decided; ``coupled_lock_timeout``: seconds a
+      shared recipient's handler may wait for a row lock before its attempt fails (and is tried again).
     - ``poll_interval_min`` / ``poll_interval_max``: a node without an endpoint polls its reply channels'
       peers with WS-MakeConnection at once while they say more is waiting, ``poll_interval_min`` after a
       message, and backs off (doubling) to ``poll_interval_max`` while idle: the idle reply latency.
@@ -100,6 +106,14 @@ class Limits:
     http_idle_timeout: float = 30.0
     poll_interval_min: float = 0.05
     poll_interval_max: float = 1.0
+    max_coupled_deadline: float = 300.0
+    max_prepared_per_peer: int = 16
+    coupled_lock_timeout: float = 5.0
+
+    def backoff(self, attempts: int) -> float:
+        """Seconds before attempt ``attempts + 1`` of something that failed ``attempts`` times: doubling from
+        ``retry_backoff``, capped at ``retry_backoff_max``."""
+        return min(self.retry_backoff * 2 ** max(0, attempts - 1), self.retry_backoff_max)
 
 
 @dataclass(frozen=True)
