@@ -98,8 +98,8 @@ interval = 2
     return paths
 
 
-PENDING_IN = ("SELECT COUNT(*) FROM qtp_coupled_in WHERE state IN ('received', 'prepared') "
-              "OR (state = 'processed' AND decision = 'abort')")
+PENDING_IN = ("SELECT COUNT(*) FROM qtp_coupled_in WHERE state NOT IN ('committed', 'cancelled', 'rolled-back', "
+              "'compensated', 'failed', 'compensation-failed')")
 UNSETTLED_OUT = ("SELECT COUNT(*) FROM qtp_coupled_out WHERE state = 'active' OR (state = 'committed' AND "
                  "recipient NOT IN ('committed', 'failed')) OR (state = 'aborted' AND recipient NOT IN "
                  "('cancelled', 'rolled-back', 'compensated', 'failed'))")
