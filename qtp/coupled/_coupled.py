@@ -28,8 +28,8 @@ __all__ = ["ABORTED", "ACTIVE", "COMMITTED", "SETTLED", "Coupled", "CoupledMessa
 
 class Coupled:
     """Coupled messaging for ``node`` (both roles). ``replies``: sender node id -> the channel this node
-    answers it on (default: a channel named like the sender's node, else the node's only channel, else the
-    channel to the authenticated peer that sent the original). Coupled handlers and compensators run on
+    answers it on (default: a channel named like the sender's node, else the node's only channel; for an
+    authenticated sender it must lead to that peer). Coupled handlers and compensators run on
     ``workers`` threads, with the node's ``max_attempts`` and ``retry_backoff`` limits (only a handler's
     refusal counts as an attempt; an outage only delays); ``sweep_interval``: seconds between the sender's
     presumed-abort sweeps.

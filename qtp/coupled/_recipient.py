@@ -77,6 +77,7 @@ class Recipient:
         self.wake = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qtp-coupled-worker")
         self._lock = threading.Lock()
+        self._cap_lock = threading.Lock()
         self._claimed: set[str] = set()           # rows a worker thread acts on now (rule 1)
         self._later: dict[str, tuple[float, int]] = {}  # id -> (not before, transient failures in a row)
         self._asked: dict[str, float] = {}
@@ -258,19 +259,17 @@ class Recipient:
 
     def _prepare(self, row: Any) -> None:
         """Shared: the handler's work prepared as a subordinate of the sender's transaction, then the vote."""
-        with self.site.store.local() as conn:
-            if log_.held(conn, row.owner) >= self.site.limits.max_prepared_per_peer:
-                refusal = (f"this recipient holds {self.site.limits.max_prepared_per_peer} subordinate transactions "
-                           f"for peer {row.owner or '(anonymous)'} already ([limits] max_prepared_per_peer)")
-            else:
-                refusal = None
-        if refusal is not None:
-            self._refuse(row, states.RECEIVED, refusal)
-            return
         sub = self._sub_gtrid()
-        with self.site.store.local() as conn:  # recorded first: whatever happens next, it can be found
-            if log_.move(conn, row.id, states.RECEIVED, "attempt", sub_gtrid=sub, branches=None) is None:
+        cap = self.site.limits.max_prepared_per_peer
+        with self._cap_lock, self.site.store.local() as conn:  # counted and taken at once: the cap holds
+            full = log_.held(conn, row.owner) >= cap
+            # recorded first: whatever happens next, the subordinate can be found
+            if not full and log_.move(conn, row.id, states.RECEIVED, "attempt", sub_gtrid=sub, branches=None) is None:
                 return
+        if full:
+            self._refuse(row, states.RECEIVED, f"this recipient holds {cap} subordinate transactions for peer "
+                         f"{row.owner or '(anonymous)'} already ([limits] max_prepared_per_peer)")
+            return
         fn = self._fn(row.action)
         branches: list[str] | None = None
         try:

@@ -125,8 +125,6 @@ class Site:
             name = coordinator
         if name is None and len(self.node.channels) == 1:
             name = next(iter(self.node.channels))
-        if name is None and owner is not None:
-            name = next((c for c in sorted(self.node.channels) if self.peer_of(c) == owner), None)
         if name is None:
             raise MessageRefusedError(
                 f"node {self.node_id!r} has no channel back to coupled sender {coordinator!r}: name one in "
