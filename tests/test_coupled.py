@@ -499,3 +499,20 @@ def test_a_prepared_recipient_past_its_deadline_asks_the_sender_and_gets_the_dec
     assert accounts(bb.url) == {"acc-13": "open"}
     assert rows(a.url, "SELECT state, recipient FROM qtp_coupled_out WHERE id = :i".replace(":i", f"'{cid}'")) == \
         [("committed", "committed")]
+
+
+def test_the_documented_state_diagrams_are_drawn_from_the_transition_tables():
+    from qtp.coupled import _states as states
+
+    text = (Path(qtp.__file__).parent.parent / "docs" / "coupled.md").read_text()
+    drawn = text.split("<!-- states:begin -->\n", 1)[1].split("\n<!-- states:end -->", 1)[0]
+    assert drawn == states.diagrams(), "docs/coupled.md: paste the output of python -m qtp.coupled._states"
+    # every state the recipient can reach can still end: a final state is reachable from it
+    reachable = {t for (_, _), t in states.RECIPIENT.items()}
+    ends = set(states.FINAL)
+    for _ in range(len(reachable)):
+        ends |= {s for (s, _), t in states.RECIPIENT.items() if t in ends and s is not None}
+    assert reachable <= ends, f"states with no way to a final state: {sorted(reachable - ends)}"
+    assert set(states.FINAL) <= set(states.REPORT), "every final state is reported to the sender"
+    with pytest.raises(Exception, match="not in its transition table"):
+        states.next_state(states.RECIPIENT, "committed", "abort")  # a committed original is never undone
