@@ -101,7 +101,7 @@ def load_config(path: str | Path) -> Config:
             last_resources.add(name)
     if not isinstance(node.get("llr", True), bool):
         raise ConfigurationError(f"{path}: [node] llr must be true or false")
-    unknown = set(data) - {"node", "resources", "channels", "recovery", "limits", "peers"}
+    unknown = set(data) - {"node", "resources", "channels", "recovery", "limits", "peers", "coupled"}
     if unknown:
         raise ConfigurationError(f"{path}: unknown table(s) {sorted(unknown)}; expected [node] and [resources.NAME]")
     try:
@@ -111,7 +111,7 @@ def load_config(path: str | Path) -> Config:
     interval, warn_age = _recovery_settings(path, data.get("recovery", {}))
     messaging = {"node": {k: v for k, v in node.items() if k in _MESSAGING_NODE_KEYS},
                  "channels": data.get("channels") or {}, "limits": data.get("limits") or {},
-                 "peers": data.get("peers") or {}}
+                 "peers": data.get("peers") or {}, "coupled": data.get("coupled") or {}}
     for key in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca"):  # relative to the file, like log_dir
         if isinstance(messaging["node"].get(key), str) and not Path(messaging["node"][key]).is_absolute():
             messaging["node"][key] = str(path.parent / messaging["node"][key])

@@ -516,3 +516,29 @@ def test_the_documented_state_diagrams_are_drawn_from_the_transition_tables():
     assert set(states.FINAL) <= set(states.REPORT), "every final state is reported to the sender"
     with pytest.raises(Exception, match="not in its transition table"):
         states.next_state(states.RECIPIENT, "committed", "abort")  # a committed original is never undone
+
+
+def test_the_coupled_table_of_qtp_toml_gives_coupled_its_defaults(pg_db, tmp_path):
+    from qtp.config import load_config
+    from qtp.wsrm.runtime._settings import node_settings
+
+    urls = {"a": pg_db("a"), "b": pg_db("b")}
+    ids = node_ids(list(urls))
+    configs = write_configs(tmp_path, urls, ids)
+    text = configs["a"].read_text()
+    configs["a"].write_text(text + f'\n[coupled]\nworkers = 2\nsweep_interval = 0.25\nreplies = {{ "{ids["b"]}x" = '
+                                   f'"{ids["b"]}" }}\n')
+    node = qtp.Node.from_config(configs["a"])
+    try:
+        coupled = Coupled(node, start=False)
+        assert (coupled.recipient._pool._max_workers, coupled.sweep_interval) == (2, 0.25)
+        assert coupled.site.reply_channel(ids["b"] + "x", None) == ids["b"]  # from [coupled] replies
+        assert Coupled(node, workers=3, start=False).recipient._pool._max_workers == 3  # arguments win
+    finally:
+        node.close()
+    for bad, match in [("workers = 0", "workers must be"), ("sweep = 1", "takes workers"),
+                       ('replies = { x = "nowhere" }', "unknown channel")]:
+        configs["a"].write_text(text + f"\n[coupled]\n{bad}\n")
+        config = load_config(configs["a"])
+        with pytest.raises(ConfigurationError, match=match):
+            node_settings(config.messaging, set(config.resources))

@@ -32,7 +32,8 @@ class Coupled:
     authenticated sender it must lead to that peer). Coupled handlers and compensators run on
     ``workers`` threads, with the node's ``max_attempts`` and ``retry_backoff`` limits (only a handler's
     refusal counts as an attempt; an outage only delays); ``sweep_interval``: seconds between the sender's
-    presumed-abort sweeps.
+    presumed-abort sweeps. Each defaults to the node's ``[coupled]`` table (``workers``, ``sweep_interval``,
+    ``replies``), else 4 workers, 1 s, no replies.
 
     ``start=False`` leaves the worker and the start-up sweep to an explicit ``start()``, for an application
     that registers its coupled handlers first: until then the node keeps coupled control messages waiting.
@@ -40,8 +41,12 @@ class Coupled:
     its action's handler exists is refused (reported "failed").
     """
 
-    def __init__(self, node: Any, replies: dict[str, str] | None = None, sweep_interval: float = 1.0,
-                 workers: int = 4, start: bool = True):
+    def __init__(self, node: Any, replies: dict[str, str] | None = None, sweep_interval: float | None = None,
+                 workers: int | None = None, start: bool = True):
+        configured = getattr(node.settings, "coupled", None) or {}
+        replies = {**configured.get("replies", {}), **(replies or {})}
+        sweep_interval = sweep_interval if sweep_interval is not None else configured.get("sweep_interval", 1.0)
+        workers = workers if workers is not None else configured.get("workers", 4)
         self.site = Site(node, replies)
         self.node = node
         self.manager = node.manager

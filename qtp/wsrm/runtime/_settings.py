@@ -152,6 +152,7 @@ class NodeSettings:
     channels: dict[str, ChannelSettings] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
     security: Security = field(default_factory=Security)
+    coupled: dict[str, Any] = field(default_factory=dict)  # [coupled]: Coupled(node)'s defaults (qtp.coupled)
 
     def listen_host(self) -> str | None:
         if self.listen is not None:
@@ -256,9 +257,32 @@ def node_settings(messaging: dict[str, Any], resources: set[str]) -> NodeSetting
             raise ConfigurationError(f"store resource {name!r} is not defined; add a [resources.{name}] table")
     security = security_settings(node, messaging.get("peers", {}), _check_url)
     settings = NodeSettings(endpoint=endpoint, listen=listen, store=store, mode=mode, channels=channels,
-                            limits=limits(messaging.get("limits", {})), security=security)
+                            limits=limits(messaging.get("limits", {})), security=security,
+                            coupled=coupled_settings(messaging.get("coupled", {}), channels))
     check(settings)
     return settings
+
+
+def coupled_settings(table: Any, channels: dict[str, ChannelSettings]) -> dict[str, Any]:
+    """``[coupled]``: ``workers`` (threads for coupled handlers), ``sweep_interval`` (seconds), ``replies``
+    (a table: sender node id -> the channel this node answers it on); what ``Coupled(node)`` takes when
+    its arguments do not say otherwise."""
+    if not isinstance(table, dict) or set(table) - {"workers", "sweep_interval", "replies"}:
+        raise ConfigurationError("[coupled] takes workers = N, sweep_interval = SECONDS and replies = "
+                                 "{ SENDER_NODE_ID = \"CHANNEL\" }")
+    workers = table.get("workers", 4)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigurationError(f"[coupled] workers must be a positive number of threads, got {workers!r}")
+    interval = table.get("sweep_interval", 1.0)
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
+        raise ConfigurationError(f"[coupled] sweep_interval must be a positive number of seconds, got {interval!r}")
+    replies = table.get("replies", {})
+    if not isinstance(replies, dict) or not all(isinstance(v, str) for v in replies.values()):
+        raise ConfigurationError("[coupled] replies is a table of sender node id = \"CHANNEL\"")
+    unknown = sorted(v for v in replies.values() if v not in channels)
+    if unknown:
+        raise ConfigurationError(f"[coupled] replies names unknown channel(s) {unknown}; known: {sorted(channels)}")
+    return {"workers": workers, "sweep_interval": float(interval), "replies": dict(replies)}
 
 
 def check(settings: NodeSettings) -> None:
