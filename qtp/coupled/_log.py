@@ -37,10 +37,12 @@ def decide(conn: Any, ids: list[str], event: str) -> int:
                         .values(state=target, updated_at=time.time())).rowcount
 
 
-def lock_active(conn: Any, where: list[Any], skip_locked: bool = False) -> list[Any]:
-    """The active rows matching ``where``, locked (``skip_locked``: those another transaction holds are left)."""
+def lock_active(conn: Any, gtrid: str, deadline_before: float | None = None, skip_locked: bool = False) -> list[Any]:
+    """The active rows of transaction ``gtrid`` (past ``deadline_before`` if given), locked; ``skip_locked``:
+    those another transaction holds are left out."""
+    where = [OUT.c.gtrid == gtrid] + ([] if deadline_before is None else [OUT.c.deadline < deadline_before])
     return conn.execute(sa.select(OUT.c.id, OUT.c.channel, OUT.c.compensation, OUT.c.token)
-                        .where(OUT.c.state == states.ACTIVE, *where)
+                        .where(OUT.c.state == states.ACTIVE, *where).order_by(OUT.c.id)
                         .with_for_update(skip_locked=skip_locked)).all()
 
 
@@ -71,7 +73,7 @@ def sent_rows(conn: Any, ids: Iterable[str] | None = None, gtrid: str | None = N
         query = query.where(OUT.c.id.in_(list(ids)))
     if gtrid is not None:
         query = query.where(OUT.c.gtrid == gtrid)
-    return conn.execute(query.order_by(OUT.c.created_at)).all()
+    return conn.execute(query.order_by(OUT.c.created_at, OUT.c.id)).all()
 
 
 def open_compensations(conn: Any, limit: int | None = None) -> list[Any]:

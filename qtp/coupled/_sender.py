@@ -25,7 +25,6 @@ from typing import Any
 from qtp.coordinator.failpoints import failpoint
 from qtp.coupled import _log as log_
 from qtp.coupled import _states as states
-from qtp.coupled import _tables as tables
 from qtp.coupled._conditions import Condition, processed
 from qtp.coupled._recipient import control_of
 from qtp.coupled._site import Site
@@ -231,18 +230,19 @@ class Sender:
         sphere = self._spheres.get(gtrid)
         try:
             for store in (sphere.stores.values() if sphere is not None else []):
-                self._abort_rows(store, [tables.outbound.c.gtrid == gtrid])
+                self._abort_rows(store, gtrid)
         except Exception:  # left "active": the sweep aborts them shortly
             log.exception("aborting the coupled messages of %s failed; the sweep will", gtrid)
         finally:
             self._forget(gtrid)
 
-    def _abort_rows(self, store: Any, where: list[Any], skip_locked: bool = False) -> int:
-        """Abort the active rows matching ``where``. The sweep skips rows locked by someone else (a prepared
+    def _abort_rows(self, store: Any, gtrid: str, deadline_before: float | None = None,
+                    skip_locked: bool = False) -> int:
+        """Abort the active rows of ``gtrid`` (past ``deadline_before`` if given). The sweep skips rows locked by someone else (a prepared
         branch of the sender's own transaction, in doubt: recovery settles it first); the sender's own
         rollback waits for a lock held a moment by the invoker applying a report."""
         with store.local() as conn:
-            rows = log_.lock_active(conn, where, skip_locked=skip_locked)
+            rows = log_.lock_active(conn, gtrid, deadline_before, skip_locked=skip_locked)
             if not rows:
                 return 0
             log_.decide(conn, [r.id for r in rows], "abort")
@@ -265,10 +265,7 @@ class Sender:
             with store.local() as conn:
                 gtrids = log_.active_gtrids(conn, before)
             for gtrid in gtrids:
-                where = [tables.outbound.c.gtrid == gtrid]
-                if before is not None:
-                    where.append(tables.outbound.c.deadline < before)
-                self._abort_rows(store, where, skip_locked=True)
+                self._abort_rows(store, gtrid, before, skip_locked=True)
 
     def prune(self, before: float) -> int:
         pruned = 0
