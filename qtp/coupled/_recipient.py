@@ -42,7 +42,8 @@ from qtp.xa import Xid
 log = logging.getLogger("qtp.coupled")
 
 SUB_MARK = "~c"
-ASK_EVERY = 5.0  # seconds between two Status questions about one overdue coupling
+ASK_EVERY = 5.0  # seconds before the first Status question about one overdue coupling is repeated
+ASK_MAX = 300.0  # ... doubling up to this
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class Recipient:
         self._cap_lock = threading.Lock()
         self._claimed: set[str] = set()           # rows a worker thread acts on now (rule 1)
         self._later: dict[str, tuple[float, int]] = {}  # id -> (not before, transient failures in a row)
-        self._asked: dict[str, float] = {}
+        self._asked: dict[str, tuple[float, float]] = {}  # id -> (ask again at, interval)
 
     # ------------------------------------------------------------------ registration
 
@@ -449,7 +450,9 @@ class Recipient:
 
     def ask_overdue(self) -> None:
         """Originals whose decision is overdue (prepared, or undecided past the deadline): ask the sender for
-        it (Status) every few seconds; the answer is the Commit or Abort again."""
+        it (Status), after ``ASK_EVERY`` seconds, then doubling up to ``ASK_MAX`` while it does not answer (each
+        question is a reliable message: a sender down for long must not find a pile of them); the answer is
+        the Commit or Abort again."""
         now = time.time()
         with self.site.store.local() as conn:
             rows = log_.waiting_past_deadline(conn, now)
@@ -457,9 +460,11 @@ class Recipient:
         for known in [k for k in self._asked if k not in waiting]:
             del self._asked[known]
         for row in rows:
-            if now - self._asked.get(row.id, 0.0) < ASK_EVERY:
+            due, interval = self._asked.get(row.id, (0.0, ASK_EVERY / 2))
+            if now < due:
                 continue
-            self._asked[row.id] = now
+            interval = min(interval * 2, ASK_MAX)
+            self._asked[row.id] = (now + interval, interval)
             with self.manager.transaction() as tx:
                 channel = self.site.reply_channel(row.coordinator, row.owner)
                 self.site.send(tx, channel, Control("Status", row.id, token=row.token or ""))
