@@ -542,3 +542,54 @@ def test_the_coupled_table_of_qtp_toml_gives_coupled_its_defaults(pg_db, tmp_pat
         config = load_config(configs["a"])
         with pytest.raises(ConfigurationError, match=match):
             node_settings(config.messaging, set(config.resources))
+
+
+def test_a_handler_waits_for_a_lock_no_longer_than_coupled_lock_timeout(pg_db, tmp_path):
+    """One coupling worker (``[coupled] workers = 1``); the handler of acc-1 needs a lock another transaction
+    holds (an uncommitted insert of the same account: a peer's prepared work would hold it the same way).
+    With ``[limits] coupled_lock_timeout = 1`` the attempt gives up after a second (a transient failure, not
+    counted) and the worker serves acc-2 meanwhile; without a bound the one thread would wait for good."""
+    import threading
+
+    urls = {"a": pg_db("a"), "b": pg_db("b")}
+    for url in urls.values():
+        accounts_schema(url)
+    ids = node_ids(list(urls))
+    configs = write_configs(tmp_path, urls, ids, limits="coupled_lock_timeout = 1")
+    configs["b"].write_text(configs["b"].read_text() + "\n[coupled]\nworkers = 1\n")
+    a, b = Bank(configs["a"], urls["a"], "queued").start(), Bank(configs["b"], urls["b"], "compensatable").start()
+    holder = sa.create_engine(urls["b"], poolclass=sa.pool.NullPool)
+    blocker = holder.connect()
+    blocker.exec_driver_sql("INSERT INTO accounts (id, status) VALUES ('acc-1', 'held')")  # uncommitted
+    outcome = {}
+
+    def first():
+        try:
+            with a.node.manager.transaction(timeout=30) as tx:
+                a.open_here(tx, "acc-1")
+                a.coupled.send(tx, b.id, b"<open id='acc-1'/>", action=OPEN, condition=processed(within=20))
+            outcome["acc-1"] = "committed"
+        except RollbackError as exc:
+            outcome["acc-1"] = str(exc)
+
+    thread = threading.Thread(target=first)
+    try:
+        thread.start()
+        wait_until(lambda: len(rows(urls["b"], "SELECT id FROM qtp_coupled_in")) == 1, 10, "acc-1 arrived at b")
+        time.sleep(1.5)  # the one worker thread is at acc-1's insert, behind the lock
+        started = time.monotonic()
+        with a.node.manager.transaction() as tx:
+            a.open_here(tx, "acc-2")
+            a.coupled.send(tx, b.id, b"<open id='acc-2'/>", action=OPEN, condition=processed(within=8))
+        assert time.monotonic() - started < 8
+        assert accounts(b.url).get("acc-2") == "open"
+        assert rows(urls["b"], "SELECT attempts FROM qtp_coupled_in WHERE state = 'received'") == [(0,)], \
+            "waiting for a lock is not a refusal: acc-1 is not counted"
+    finally:
+        blocker.rollback()
+        blocker.close()
+        holder.dispose()
+        thread.join(30)
+        a.close()
+        b.close()
+    assert outcome["acc-1"] == "committed" and accounts(b.url).get("acc-1") == "open"

@@ -23,6 +23,7 @@ already prepared and voted, and the Commit that followed was reported as done):
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -57,6 +58,31 @@ class CoupledMessage:
     transaction: str           # the sender's transaction
     coupling: str
     original: bytes | None = None  # for a compensator: the original's payload
+
+
+class _Bounded:
+    """A handler's view of its transaction: every connection it takes waits at most ``seconds`` for a lock
+    (``[limits] coupled_lock_timeout``), so that locks held by another peer's prepared work cannot stall the
+    coupling worker's threads; the attempt then fails as a transient conflict and is tried again later."""
+
+    def __init__(self, tx: Any, seconds: float):
+        self._tx = tx
+        self._seconds = seconds
+        self._bounded: set[str] = set()
+
+    def connection(self, name: str) -> Any:
+        conn = self._tx.connection(name)
+        if name not in self._bounded:
+            self._bounded.add(name)
+            dialect = conn.dialect.name
+            if dialect == "postgresql":
+                conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(self._seconds * 1000)}ms'")
+            elif dialect in ("mysql", "mariadb"):
+                conn.exec_driver_sql(f"SET SESSION innodb_lock_wait_timeout = {max(1, math.ceil(self._seconds))}")
+        return conn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tx, name)
 
 
 def control_of(message: Any) -> Control:
@@ -255,6 +281,9 @@ class Recipient:
         return CoupledMessage(row.id, row.action, payload, row.coordinator, row.gtrid, row.coupling,
                               row.payload if compensation else None)
 
+    def _bounded(self, tx: Any) -> _Bounded:
+        return _Bounded(tx, self.site.limits.coupled_lock_timeout)
+
     def _sub_gtrid(self) -> str:
         return f"{self.site.node_id}{SUB_MARK}/{os.urandom(15).hex()}"
 
@@ -278,7 +307,7 @@ class Recipient:
             try:
                 if fn is None:
                     raise MessageRefusedError(f"no handler for action {row.action!r}")
-                fn(tx, self._message(row))
+                fn(self._bounded(tx), self._message(row))
                 branches = tx.prepare_subordinate()
                 failpoint("coupled_after_prepare")  # prepared, not voted
             except BaseException:
@@ -352,7 +381,7 @@ class Recipient:
                 target = log_.move(conn, row.id, row.state, "process", error=None)
                 if fn is None:
                     raise MessageRefusedError(f"no handler for action {row.action!r}")
-                fn(tx, self._message(row))
+                fn(self._bounded(tx), self._message(row))
                 self._notify(tx, row.coordinator, row.owner, row.id, row.token, states.REPORT[target], row.coupling)
         except Exception as exc:
             self._failed(row, exc)
@@ -382,7 +411,7 @@ class Recipient:
                 if fn is None:
                     raise MessageRefusedError(f"no compensator for action {row.action!r} (coupling {row.coupling}): "
                                               "its effect stays")
-                fn(tx, self._message(row, compensation=True))
+                fn(self._bounded(tx), self._message(row, compensation=True))
                 self._notify(tx, row.coordinator, row.owner, row.id, row.token, "compensated", row.coupling)
         except Exception as exc:
             self._failed(row, exc)
