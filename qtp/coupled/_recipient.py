@@ -93,6 +93,20 @@ def control_of(message: Any) -> Control:
         raise MessageRefusedError(f"malformed coupled message {message.message_id}: {exc}") from None
 
 
+def _check_names(control: Control) -> None:
+    """A coupling id names its sender: ``<coordinator>/<...>:<n>``, and an original's transaction is the id's
+    own. With the reply channel, which must lead to the authenticated peer that sent it, this keeps a peer
+    from taking another sender's coupling id (one it saw on the wire, with its token) before the original
+    arrives: MessageRefusedError, a dead letter at once."""
+    coordinator = control.coordinator or ""
+    names = bool(coordinator) and control.id.startswith(coordinator + "/")
+    if control.kind == "Message":
+        names = names and control.id.startswith(f"{control.transaction}:")
+    if not names:
+        raise MessageRefusedError(f"coupled {control.kind} {control.id!r} does not name its sender "
+                                  f"{coordinator!r} (ids are <sender node>/<transaction>:<n>)")
+
+
 class Recipient:
     def __init__(self, site: Site, workers: int):
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -139,9 +153,10 @@ class Recipient:
         control = control_of(message)
         owner = self.site.owner(message)
         conn = self.site.conn(tx)
+        _check_names(control)
+        self.site.reply_channel(control.coordinator, owner)  # refused now if it could never be answered
         if log_.received(conn, control.id, lock=True) is not None:
             return  # a copy, or a decision that came first and left a tombstone: never processed again
-        self.site.reply_channel(control.coordinator, owner)  # refused now if it could never be answered
         registered = self.handlers.get(control.action or "")
         coupling = registered[1] if registered else "queued"
         refusal = None
@@ -171,6 +186,7 @@ class Recipient:
         conn = self.site.conn(tx)
         row = log_.received(conn, control.id, lock=True)
         if row is None:  # never stored here (refused, or a dead letter): answered, so the sender's log closes
+            _check_names(control)
             self.site.reply_channel(control.coordinator, owner)
             state = states.next_state(states.RECIPIENT, None, event)
             now = time.time()

@@ -99,6 +99,7 @@ class Sender:
             if coupling is not None and coupling not in COUPLINGS:
                 raise ConfigurationError(f"require= names a coupling of {', '.join(COUPLINGS)}, not {coupling!r}")
         targets = {name: self.site.channel(name) for name in names}  # every channel checked before anything leaves
+        self._check_bodies(tx, action, payload, required, compensations)
         sphere = self._sphere(tx)
         # the census (HTS): who joined matters for "delivered" conditions, and for a fan-out that does not need
         # everyone (a shared recipient that joined must then vote before the sender decides)
@@ -119,7 +120,6 @@ class Sender:
                                action=action, deadline=deadline, body=payload, census=census, token=token,
                                require=required[name])
             undo = compensations[name] if compensations[name] is not None else payload
-            encode(Control("Abort", coupling_id, body=undo, token=token))  # refuse bad XML now, not at abort
             with self._changed:  # before the original can leave: its first report must find it
                 self._reports[coupling_id] = ("sent", None, None)
             with store.local() as conn:
@@ -131,6 +131,18 @@ class Sender:
         self.site.wake_sender()
         failpoint("coupled_after_send")  # the originals are on their way, the sender has not decided
         return ids
+
+    def _check_bodies(self, tx: Any, action: str, payload: bytes, required: dict[str, Any],
+                      compensations: dict[str, bytes | None]) -> None:
+        """Before anything leaves: every original and Abort this send could make is valid XML and fits in a
+        request to a peer (one that did not would be refused by the peer for ever, blocking its channel)."""
+        probe = dict(id=f"{tx.xid}:{10 ** 12}", token="0" * 32)
+        for name, coupling in required.items():
+            self.site.node.check_size(encode(Control(
+                "Message", transaction=tx.xid, coordinator=self.site.node_id, action=action, deadline=0.0,
+                body=payload, census=True, require=coupling, **probe)))
+            undo = compensations[name] if compensations[name] is not None else payload
+            self.site.node.check_size(encode(Control("Abort", body=undo, coordinator=self.site.node_id, **probe)))
 
     def _sphere(self, tx: Any) -> _Sphere:
         sphere = self._spheres.get(tx.xid)

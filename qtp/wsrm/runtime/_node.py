@@ -188,6 +188,13 @@ class Node:
         """Every route of the node's channels (one per lane)."""
         return [route for channel in self.channels.values() for route in channel.routes()]
 
+    def check_size(self, payload: bytes) -> None:
+        """ConfigurationError when ``payload`` would not fit in a request to a peer ([limits] max_request_bytes,
+        less room for the envelope): refused when it is sent, rather than answered 413 by the peer for ever."""
+        if len(payload) > self.limits.max_request_bytes - 4096:
+            raise ConfigurationError(f"the payload of {len(payload)} bytes is over the limit of "
+                                     f"{self.limits.max_request_bytes - 4096} ([limits] max_request_bytes)")
+
     def send(self, tx: Any, channel: str, payload: bytes | str, action: str, message_id: str | None = None,
              key: str | None = None) -> str:
         """Enqueue ``payload`` on ``channel`` inside transaction ``tx`` (see ``Transaction.send``); messages
@@ -201,9 +208,7 @@ class Node:
         if isinstance(payload, str):
             payload = payload.encode("utf-8")
         check_payload(payload)
-        if len(payload) > self.limits.max_request_bytes - 4096:
-            raise ConfigurationError(f"the payload of {len(payload)} bytes is over the limit of "
-                                     f"{self.limits.max_request_bytes - 4096} ([limits] max_request_bytes)")
+        self.check_size(payload)
         self._check_backlog(channel, settings)
         now = time.time()
         message = Outgoing(route=settings.route_for(key), message_id=message_id or new_message_id(now), action=action,
