@@ -31,8 +31,8 @@ def banks(request, tmp_path):
     made: list[Bank] = []
 
     def make(spec, limits: str = "", start: bool = True):
-        urls = {role: request.getfixturevalue("pg_db" if kind == "pg" else "maria_db")(role)
-                for role, (kind, _) in spec.items()}
+        urls = {role: request.getfixturevalue("pg_db" if kind == "pg" else "maria_db")(role) if isinstance(kind, str)
+                else kind.create_database(f"{role}_{os.urandom(3).hex()}") for role, (kind, _) in spec.items()}
         for url in urls.values():
             accounts_schema(url)
         ids = node_ids(list(spec))
@@ -210,3 +210,34 @@ def test_a_known_peer_that_saw_an_original_on_the_wire_cannot_take_over_its_coup
     finally:
         d.close()
         proxy.stop()
+
+
+# ---------------------------------------------------------------------------------------------- docs, bad input
+
+def test_the_coupled_table_of_qtp_toml_is_documented():
+    """Commit f5e5c87 added a [coupled] table to qtp.toml (workers, sweep_interval, replies: Coupled(node)'s
+    defaults, checked at load), but neither README.md nor docs/ say it exists: a user of `qtp serve` cannot
+    find how to set the reply channel of a sender or the sweep interval without code."""
+    texts = {p.name: p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+    found = {name: [k for k in ("[coupled]", "sweep_interval") if k in text] for name, text in texts.items()}
+    assert any("[coupled]" in f for f in found.values()), f"no page documents the [coupled] table: {found}"
+
+
+def test_a_payload_that_is_not_xml_is_refused_with_a_clear_error(banks):
+    """docs/coupled.md never says a coupled payload or compensation must be one XML element; coupled.send
+    given b"not xml" raises lxml's raw XMLSyntaxError ("Start tag expected, '<' not found, line 1, column
+    1"), naming neither the argument (payload or compensation) nor the rule, unlike every other bad input of
+    coupled.send (ConfigurationError with a sentence)."""
+    b = banks({"a": ("pg", "queued"), "b": ("pg", "compensatable")})
+    a, bb = b["a"], b["b"]
+    seen = {}
+    for what, kwargs in [("payload", {"payload": b"not xml"}),
+                         ("compensation", {"payload": b"<open id='x'/>", "compensation": b"not xml"})]:
+        try:
+            with a.node.manager.transaction() as tx:
+                a.coupled.send(tx, bb.id, kwargs.pop("payload"), action=OPEN, condition=processed(within=3),
+                               **kwargs)
+                raise RuntimeError("not refused")
+        except Exception as exc:  # noqa: BLE001 - what the user sees
+            seen[what] = (type(exc).__name__, str(exc))
+    assert all(t == "ConfigurationError" and w in m for w, (t, m) in seen.items()), seen

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from lxml import etree
+
 from qtp.coordinator.failpoints import failpoint
 from qtp.coupled import _log as log_
 from qtp.coupled import _states as states
@@ -138,11 +140,17 @@ class Sender:
         request to a peer (one that did not would be refused by the peer for ever, blocking its channel)."""
         probe = dict(id=f"{tx.xid}:{10 ** 12}", token="0" * 32)
         for name, coupling in required.items():
-            self.site.node.check_size(encode(Control(
-                "Message", transaction=tx.xid, coordinator=self.site.node_id, action=action, deadline=0.0,
-                body=payload, census=True, require=coupling, **probe)))
             undo = compensations[name] if compensations[name] is not None else payload
-            self.site.node.check_size(encode(Control("Abort", body=undo, coordinator=self.site.node_id, **probe)))
+            for what, control in [("payload", Control("Message", transaction=tx.xid, coordinator=self.site.node_id,
+                                                      action=action, deadline=0.0, body=payload, census=True,
+                                                      require=coupling, **probe)),
+                                  ("compensation", Control("Abort", body=undo, coordinator=self.site.node_id,
+                                                           **probe))]:
+                try:
+                    self.site.node.check_size(encode(control))
+                except etree.XMLSyntaxError as exc:
+                    raise ConfigurationError(f"coupled.send: the {what} for channel {name!r} is not one XML "
+                                             f"element ({exc})") from None
 
     def _sphere(self, tx: Any) -> _Sphere:
         sphere = self._spheres.get(tx.xid)
