@@ -69,3 +69,14 @@ def run_pair(tmp_path):
     yield start
     for node in started:
         node.kill()
+
+
+@pytest.fixture
+def banks(request, tmp_path):
+    """Factory of coupled-messaging nodes (tests/coupled_support.py ``make_banks``), closed when the test ends."""
+    from coupled_support import make_banks
+
+    made: list = []
+    yield make_banks(request, tmp_path, made)
+    for bank in made:
+        bank.close()

@@ -24,71 +24,9 @@ from qtp.errors import ConfigurationError, RollbackError
 from qtp.testing.coupled_nodes import accounts, accounts_schema, node_ids, write_configs
 from qtp.testing.nodes import rows, wait_until
 
-OPEN = "urn:bank:open"
+from coupled_support import OPEN, Bank
+
 SCHEMA = Path(qtp.__file__).parent / "coupled" / "coupled.xsd"
-
-
-class Bank:
-    """One node with its accounts table and a coupled handler that opens accounts (and a compensator that
-    closes them). ``refuse``: account ids its handler raises for."""
-
-    def __init__(self, config: Path, url: str, coupling: str = "shared"):
-        self.config, self.url, self.coupling = config, url, coupling
-        self.refuse: set[str] = set()
-        self.node: qtp.Node | None = None
-        self.coupled: Coupled | None = None
-
-    def start(self) -> "Bank":
-        self.node = qtp.Node.from_config(self.config)
-        self.id = self.node.manager.node_id
-        self.coupled = Coupled(self.node, sweep_interval=0.5)
-
-        @self.coupled.handler(OPEN, coupling=self.coupling)
-        def open_account(tx, message):
-            account = etree.fromstring(message.payload).get("id")
-            if account in self.refuse:
-                raise ValueError(f"account {account} refused by the test")
-            tx.connection("app").execute(sa.text("INSERT INTO accounts (id, status, opened_by) VALUES (:i, 'open', :b)"),
-                                         {"i": account, "b": message.transaction})
-
-        @self.coupled.compensator(OPEN)
-        def close_account(tx, message):
-            account = etree.fromstring(message.payload).get("id")
-            tx.connection("app").execute(sa.text("UPDATE accounts SET status = 'closed' WHERE id = :i"),
-                                         {"i": account})
-        return self
-
-    def close(self) -> None:
-        if self.node is not None:
-            self.node.close()
-            self.node = None
-
-    def open_here(self, tx, account: str) -> None:
-        tx.connection("app").execute(sa.text("INSERT INTO accounts (id, status) VALUES (:i, 'open')"), {"i": account})
-
-
-
-@pytest.fixture
-def banks(request, tmp_path):
-    """Factory: banks({"a": ("pg", coupling), "b": ("maria", coupling), ...}) -> {role: Bank} started."""
-    made: list[Bank] = []
-
-    def make(spec: dict[str, tuple[str, str]]) -> dict[str, Bank]:
-        urls = {role: request.getfixturevalue("pg_db" if kind == "pg" else "maria_db")(role)
-                for role, (kind, _) in spec.items()}
-        for url in urls.values():
-            accounts_schema(url)
-        ids = node_ids(list(spec))
-        configs = write_configs(tmp_path, urls, ids)
-        result = {role: Bank(configs[role], urls[role], spec[role][1]) for role in spec}
-        made.extend(result.values())
-        for bank in result.values():
-            bank.start()
-        return result
-
-    yield make
-    for bank in made:
-        bank.close()
 
 
 def _outbound(url: str) -> dict[str, tuple[str, str]]:

@@ -4,51 +4,20 @@ prepared transactions) and from what docs/coupled.md promises."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 
-import qtp
-from qtp.coupled import Coupled, delivered, processed
-from qtp.errors import ConfigurationError, RollbackError
-from qtp.testing.coupled_nodes import accounts, accounts_schema, node_ids, write_configs
+from qtp.coupled import processed
+from qtp.errors import RollbackError
+from qtp.testing.coupled_nodes import accounts
 from qtp.testing.nodes import rows, wait_until
-from test_coupled import OPEN, Bank
+from coupled_support import OPEN, Bank
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def banks(request, tmp_path):
-    """Factory: banks({"a": ("pg", coupling), ...}, limits="k = v") -> {role: Bank} started."""
-    made: list[Bank] = []
-
-    def make(spec, limits: str = "", start: bool = True):
-        urls = {role: request.getfixturevalue("pg_db" if kind == "pg" else "maria_db")(role) if isinstance(kind, str)
-                else kind.create_database(f"{role}_{os.urandom(3).hex()}") for role, (kind, _) in spec.items()}
-        for url in urls.values():
-            accounts_schema(url)
-        ids = node_ids(list(spec))
-        configs = write_configs(tmp_path, urls, ids, limits=limits)
-        result = {role: Bank(configs[role], urls[role], spec[role][1]) for role in spec}
-        for role, bank in result.items():
-            bank.id = ids[role]
-        made.extend(result.values())
-        if start:
-            for bank in result.values():
-                bank.start()
-        return result
-
-    yield make
-    for bank in made:
-        bank.close()
 
 
 def _outbound(url: str) -> dict[str, tuple[str, str]]:

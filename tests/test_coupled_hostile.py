@@ -38,7 +38,7 @@ from qtp.testing.nodes import post_as, request, rows, wait_until
 from qtp.wsrm.codec import WsaVersion, anonymous, decode
 from qtp.wsrm.protocol import CreateSequence, Sequence
 from qtp.wsrm.runtime._settings import node_settings
-from test_coupled import OPEN, Bank
+from coupled_support import OPEN, Bank
 
 YEARS = 10 * 365 * 86400.0
 SLOTS = 8             # max_prepared_transactions of the shared recipient's own PostgreSQL server (attack 1)

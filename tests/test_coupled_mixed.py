@@ -20,61 +20,20 @@ import random
 import re
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from lxml import etree
 
-import qtp
-from qtp.coupled import Coupled, processed
+from qtp.coupled import processed
 from qtp.coupled._wire import NS
 from qtp.embedded import EmbeddedMariaDB
 from qtp.errors import RollbackError
-from qtp.testing.coupled_nodes import PENDING_IN, UNSETTLED_OUT, accounts, accounts_schema, node_ids, write_configs
+from qtp.testing.coupled_nodes import PENDING_IN, UNSETTLED_OUT, accounts
 from qtp.testing.nodes import rows, wait_until
 
-OPEN = "urn:bank:open"
+from coupled_support import OPEN, Bank
+
 LIMITS = "max_attempts = 2"
-
-
-class Bank:
-    """One node with its accounts table, a coupled handler that opens accounts and a compensator that closes
-    them (as in tests/test_coupled.py). ``refuse``: account ids its handler raises for."""
-
-    def __init__(self, config: Path, url: str, coupling: str):
-        self.config, self.url, self.coupling = config, url, coupling
-        self.refuse: set[str] = set()
-        self.node: qtp.Node | None = None
-        self.coupled: Coupled | None = None
-
-    def start(self) -> "Bank":
-        self.node = qtp.Node.from_config(self.config)
-        self.id = self.node.manager.node_id
-        self.coupled = Coupled(self.node, sweep_interval=0.5)
-
-        @self.coupled.handler(OPEN, coupling=self.coupling)
-        def open_account(tx, message):
-            account = etree.fromstring(message.payload).get("id")
-            if account in self.refuse:
-                raise ValueError(f"account {account} refused by the test")
-            tx.connection("app").execute(sa.text("INSERT INTO accounts (id, status, opened_by) VALUES (:i, 'open', :b)"),
-                                         {"i": account, "b": message.transaction})
-
-        @self.coupled.compensator(OPEN)
-        def close_account(tx, message):
-            account = etree.fromstring(message.payload).get("id")
-            tx.connection("app").execute(sa.text("UPDATE accounts SET status = 'closed' WHERE id = :i"),
-                                         {"i": account})
-        return self
-
-    def close(self) -> None:
-        if self.node is not None:
-            self.node.close()
-            self.node = None
-
-    def open_here(self, tx, account: str) -> None:
-        tx.connection("app").execute(sa.text("INSERT INTO accounts (id, status) VALUES (:i, 'open')"), {"i": account})
 
 
 @pytest.fixture
@@ -84,35 +43,6 @@ def own_maria(tmp_path):
     server.start()
     yield server
     server.destroy()
-
-
-@pytest.fixture
-def banks(request, tmp_path):
-    """Factory: banks({"a": (kind, coupling), ...}) -> {role: Bank} started, every node with [limits] LIMITS.
-    kind: "pg", "maria" (the session's servers) or a server object with create_database (a test's own)."""
-    made: list[Bank] = []
-
-    def make(spec: dict[str, tuple[object, str]], before_start=None) -> dict[str, Bank]:
-        urls = {}
-        for role, (kind, _) in spec.items():
-            if kind in ("pg", "maria"):
-                urls[role] = request.getfixturevalue("pg_db" if kind == "pg" else "maria_db")(role)
-            else:
-                urls[role] = kind.create_database(f"{role}_{request.node.name.lower()[:40]}")
-        for url in urls.values():
-            accounts_schema(url)
-        if before_start is not None:
-            before_start(urls)
-        configs = write_configs(tmp_path, urls, node_ids(list(spec)), limits=LIMITS)
-        result = {role: Bank(configs[role], urls[role], spec[role][1]) for role in spec}
-        made.extend(result.values())
-        for bank in result.values():
-            bank.start()
-        return result
-
-    yield make
-    for bank in made:
-        bank.close()
 
 
 # ---------------------------------------------------------------------------------------------- judging
@@ -213,7 +143,7 @@ def test_three_recipients_mixed_couplings_never_lose_committed_work(banks):
     by s, some by c1 and/or c2, and some transactions are abandoned by the application after the send; 4
     application threads. Every committed transaction must have its account open exactly once at s."""
     b = banks({"a": ("pg", "queued"), "s": ("maria", "shared"), "c1": ("pg", "compensatable"),
-               "c2": ("maria", "compensatable")})
+               "c2": ("maria", "compensatable")}, limits=LIMITS)
     a, s, c1, c2 = b["a"], b["s"], b["c1"], b["c2"]
     count, threads = 120, 4
     tried = [f"acc-{k}" for k in range(1, count + 1)]
@@ -319,7 +249,7 @@ def test_control_messages_outlive_a_database_outage(banks, own_maria):
     application after the send), stays down 12 s (many times max_attempts x backoff), and is restarted. Then
     every coupling must become final at both ends, committed ones applied and aborted ones undone, and no
     coupled message may be among the recipients' dead letters."""
-    b = banks({"a": ("pg", "queued"), "s": (own_maria, "shared"), "c": (own_maria, "compensatable")})
+    b = banks({"a": ("pg", "queued"), "s": (own_maria, "shared"), "c": (own_maria, "compensatable")}, limits=LIMITS)
     a, s, c = b["a"], b["s"], b["c"]
     stop = threading.Event()
     tried, errors, workers = _run_transactions(a, [s, c], stop, threads=3, within=3, abandon_every=4)
@@ -362,7 +292,7 @@ def test_an_abort_for_an_original_that_never_arrived_is_answered(banks):
     and the recipient must answer it (Notify "cancelled") so that the sender's compensation-log entry closes.
     (An earlier version of this test held a lock until the insert timed out: that is an outage now, which
     delays the original and never dead-letters it.)"""
-    b = banks({"a": ("pg", "queued"), "r": ("pg", "compensatable")})
+    b = banks({"a": ("pg", "queued"), "r": ("pg", "compensatable")}, limits=LIMITS)
     a, r = b["a"], b["r"]
     admin = sa.create_engine(r.url, poolclass=sa.pool.NullPool, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
