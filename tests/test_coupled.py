@@ -298,6 +298,33 @@ def test_small_campaign_kills_of_nodes_and_databases_under_loss_judged_by_spark(
     assert result["spark"]["b"]["counts"]["ok"] == 40
 
 
+def test_small_mixed_campaign_four_recipients_with_refusals_and_one_attempt_under_kills_and_loss(tmp_path):
+    """benchmarks/coupled_campaign.py --fanout mixed in a small form: 40 transactions, each one coupled send to
+    two shared recipients (MariaDB, PostgreSQL) and two compensatable ones (PostgreSQL, MariaDB), "processed by
+    3 of them, s among them", each recipient refusing some accounts by its rule, max_attempts = 1, 10 % HTTP
+    loss, every node and both database servers SIGKILLed once. The mixed judge (every row final and in
+    agreement at both ends, refusals only where the rule refuses, no prepared transaction left) and Spark at
+    one shared and one compensatable recipient."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "campaign"
+    done = subprocess.run([sys.executable, "benchmarks/coupled_campaign.py", "--fanout", "mixed", "--transactions",
+                           "40", "--kills", "7", "--loss", "0.1", "--seed", "7", "--root", str(tmp_path / "db"),
+                           "--out", str(out), "--stop-databases", "--drain-s", "240", "--spark-only", "s,c1"],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["verdict"] == "atomic" and result["settled"] and result["max_attempts"] == 1
+    assert result["victims"] == {v: 1 for v in ("sender", "s", "c1", "c2", "s2", "postgresql", "mariadb")}
+    judged = result["judge"]
+    assert judged["tried"] == 40 and 0 < judged["committed"] < 40 and judged["prepared_left"] == 0
+    assert sum(judged["refused"].values()) > 0
+    assert result["spark"]["s"]["counts"]["ok"] == 40
+    assert result["spark"]["c1"]["counts"]["compensated"] == judged["compensated"]["c1"]
+
+
 def _qtp(*args: str) -> tuple[int, str]:
     import subprocess
     import sys
