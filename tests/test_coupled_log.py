@@ -102,3 +102,22 @@ def test_the_worker_finds_what_is_due_and_nothing_else(log):
     assert impl.received(conn, "later").attempts == 1
     assert {r.id for r in impl.waiting_past_deadline(conn, now)} == {"late"}
     assert impl.prune_received(conn, time.time() + 1) == 1 and impl.received(conn, "done") is None
+
+
+@pytest.mark.parametrize("server", ["pg_db", "maria_db"])
+def test_rows_of_the_version_before_the_states_table_are_read_in_its_states(request, server):
+    engine = sa.create_engine(request.getfixturevalue(server)("legacy"))
+    tables.create(engine)
+    now = time.time()
+    with engine.begin() as conn:
+        for cid, state, decision, sub in [("unvoted", "received", None, "n~c/1"), ("ordered", "received", "commit", None),
+                                          ("undo", "processed", "abort", None), ("waiting", "received", None, None)]:
+            sql_log.record_received(conn, state, id=cid, coordinator="a", owner=None, gtrid="t", action="urn:x",
+                                    coupling="shared", payload=b"<x/>", deadline=now + 60, decision=decision,
+                                    sub_gtrid=sub)
+    tables.create(engine)  # what Coupled(node) runs at every start
+    with engine.connect() as conn:
+        found = {cid: sql_log.received(conn, cid).state for cid in ("unvoted", "ordered", "undo", "waiting")}
+    engine.dispose()
+    assert found == {"unvoted": states.PREPARING, "ordered": states.ORDERED, "undo": states.COMPENSATING,
+                     "waiting": states.RECEIVED}

@@ -205,7 +205,10 @@ class Recipient:
             return
         target = states.next_state(states.RECIPIENT, row.state, event)
         if target != row.state:
-            values: dict[str, Any] = {"attempts": 0, "next_at": 0.0, "error": None}
+            # the handler's refusals so far still count once the original is ordered; a compensator or the
+            # resolution of a subordinate starts with none
+            values: dict[str, Any] = {"next_at": 0.0} if target == states.ORDERED else {
+                "attempts": 0, "next_at": 0.0, "error": None}
             if target == states.COMPENSATING:
                 values["compensation"] = control.body if control.body is not None else row.compensation
             log_.move(conn, row.id, row.state, event, **values)
@@ -464,21 +467,23 @@ class Recipient:
         if not refusal:
             with self.site.store.local() as conn:
                 log_.note_attempt(conn, row.id, row.state, attempts, next_at, _describe(exc))
-        else:
-            self._refuse(row, row.state, _describe(exc), attempts)
+        elif not self._refuse(row, row.state, _describe(exc), attempts):
+            return  # the row moved meanwhile (a decision came first): nothing was refused
         self._log_failure(row, exc, attempts, refusal, next_at - now)
 
-    def _refuse(self, row: Any, state: str, error: str, attempts: int | None = None) -> None:
+    def _refuse(self, row: Any, state: str, error: str, attempts: int | None = None) -> bool:
+        """Refuse the original (or compensation) for good, if the row is still in ``state``; whether it was."""
         with self.manager.transaction() as tx:
             conn = self.site.conn(tx)
             target = log_.move(conn, row.id, state, "refuse", error=error,
                                attempts=row.attempts if attempts is None else attempts)
             if target is None:
                 tx.rollback()
-                return
+                return False
             reason = error if attempts is None else f"failed {attempts} time(s); kept at the recipient"
             self._notify(tx, row.coordinator, row.owner, row.id, row.token, states.REPORT[target], row.coupling,
                          reason)
+        return True
 
     def _log_failure(self, row: Any, exc: BaseException, attempts: int, final: bool, delay: float) -> None:
         if final:

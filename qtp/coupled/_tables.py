@@ -54,7 +54,7 @@ inbound = sa.Table(
     sa.Column("payload", _BLOB, nullable=False),
     sa.Column("compensation", _BLOB),
     sa.Column("state", sa.String(24), nullable=False),
-    sa.Column("decision", sa.String(8)),                     # None, commit, abort
+    sa.Column("decision", sa.String(8)),                     # written before issue 27 only (see LEGACY)
     sa.Column("sub_gtrid", sa.String(64)),
     sa.Column("branches", sa.String(1024)),
     sa.Column("attempts", sa.Integer, nullable=False, default=0),
@@ -80,3 +80,15 @@ def create(engine: sa.Engine) -> None:
                 for column in missing:
                     kind = column.type.compile(dialect=engine.dialect)
                     conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}"))
+    with engine.begin() as conn:  # rows of the version before the states table (state + decision columns)
+        for state, where in LEGACY:
+            conn.execute(inbound.update().where(*where).values(state=state))
+
+
+# What a row written before the transition table (issue 27) means in its states: an unvoted attempt left a
+# gtrid in "received"; the decision was a column of its own.
+LEGACY = [
+    ("preparing", [inbound.c.state == "received", inbound.c.sub_gtrid.is_not(None)]),
+    ("ordered", [inbound.c.state == "received", inbound.c.decision == "commit"]),
+    ("compensating", [inbound.c.state == "processed", inbound.c.decision == "abort"]),
+]
