@@ -558,3 +558,30 @@ def test_a_handler_waits_for_a_lock_no_longer_than_coupled_lock_timeout(pg_db, t
         a.close()
         b.close()
     assert outcome["acc-1"] == "committed" and accounts(b.url).get("acc-1") == "open"
+
+
+def test_a_sender_that_requires_a_coupling_never_commits_on_a_weaker_one(banks):
+    b = banks({"a": ("pg", "queued"), "b": ("pg", "compensatable"), "c": ("pg", "shared")})
+    a, bb, cc = b["a"], b["b"], b["c"]
+    with pytest.raises(RollbackError, match="not processed by every recipient"):
+        with a.node.manager.transaction() as tx:
+            a.open_here(tx, "acc-1")
+            ids = a.coupled.send(tx, [bb.id, cc.id], b"<open id='acc-1'/>", action=OPEN, require="shared",
+                                 condition=processed(within=10))
+    outcome = a.coupled.outcomes(ids)[ids[bb.id]]
+    assert outcome["recipient"] == "failed" and "requires a shared coupling" in outcome["reason"]
+    wait_until(lambda: _inbound(cc.url).get(ids[cc.id]) in ("rolled-back", "cancelled"), 15, "c undid acc-1")
+    assert "acc-1" not in accounts(bb.url) and "acc-1" not in accounts(cc.url)
+    # required of c only: both process it, and the outcomes say how each joined
+    with a.node.manager.transaction() as tx:
+        a.open_here(tx, "acc-2")
+        ids = a.coupled.send(tx, [bb.id, cc.id], b"<open id='acc-2'/>", action=OPEN, require={cc.id: "shared"},
+                             condition=processed(within=10))
+    wait_until(lambda: accounts(cc.url).get("acc-2") == "open", 15, "c committed acc-2")
+    assert {o["coupling"] for o in a.coupled.outcomes(transaction=tx.xid).values()} == {"compensatable", "shared"}
+    # b said it handles OPEN as compensatable: requiring shared of it is now refused before anything leaves
+    before = len(rows(a.url, "SELECT id FROM qtp_coupled_out"))
+    with a.node.manager.transaction() as tx:
+        with pytest.raises(ConfigurationError, match="requires a shared coupling of channel"):
+            a.coupled.send(tx, bb.id, b"<open id='acc-3'/>", action=OPEN, require="shared")
+    assert len(rows(a.url, "SELECT id FROM qtp_coupled_out")) == before

@@ -35,6 +35,8 @@ from qtp.errors import ConfigurationError, RollbackError
 
 log = logging.getLogger("qtp.coupled")
 
+OFFERS_KEPT = 300.0  # seconds a recipient's word on the coupling it offers is believed
+
 
 @dataclass
 class _Sent:
@@ -69,6 +71,9 @@ class Sender:
         self._reports: dict[str, tuple[str, str | None, str | None]] = {}  # id -> (report, coupling, reason)
         self._changed = threading.Condition()
         self._counter = 0
+        # (channel, action) -> (the coupling its recipient last said it offers, when): a require= that the
+        # recipient is known not to offer is refused before anything leaves
+        self._offers: dict[tuple[str, str], tuple[str, float]] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ sending
@@ -101,6 +106,7 @@ class Sender:
             if coupling is not None and coupling not in COUPLINGS:
                 raise ConfigurationError(f"require= names a coupling of {', '.join(COUPLINGS)}, not {coupling!r}")
         targets = {name: self.site.channel(name) for name in names}  # every channel checked before anything leaves
+        self._check_offers(action, required)
         self._check_bodies(tx, action, payload, required, compensations)
         sphere = self._sphere(tx)
         # the census (HTS): who joined matters for "delivered" conditions, and for a fan-out that does not need
@@ -133,6 +139,18 @@ class Sender:
         self.site.wake_sender()
         failpoint("coupled_after_send")  # the originals are on their way, the sender has not decided
         return ids
+
+    def _check_offers(self, action: str, required: dict[str, Any]) -> None:
+        """A recipient that said, within ``OFFERS_KEPT`` seconds, that its handler of ``action`` has another
+        coupling than the one required is refused now (the recipient refuses it too, whatever the sender
+        knew: this only spares the exchange)."""
+        now = time.time()
+        for name, coupling in required.items():
+            offered, seen = self._offers.get((name, action), (None, 0.0))
+            if coupling is not None and offered is not None and offered != coupling and now - seen < OFFERS_KEPT:
+                raise ConfigurationError(f"coupled.send requires a {coupling} coupling of channel {name!r}, whose "
+                                         f"recipient handles {action} as {offered} (it said so "
+                                         f"{now - seen:.0f} s ago)")
 
     def _check_bodies(self, tx: Any, action: str, payload: bytes, required: dict[str, Any],
                       compensations: dict[str, bytes | None]) -> None:
@@ -322,6 +340,8 @@ class Sender:
             return
         log_.report(conn, control.id, control.state, control.coupling, control.reason)
         tx.on_commit(lambda: self._note(control))
+        if control.coupling is not None:
+            tx.on_commit(lambda: self._offers.__setitem__((row.channel, row.action), (control.coupling, time.time())))
 
     def _note(self, control: Control) -> None:
         with self._changed:
