@@ -585,3 +585,42 @@ def test_a_sender_that_requires_a_coupling_never_commits_on_a_weaker_one(banks):
         with pytest.raises(ConfigurationError, match="requires a shared coupling of channel"):
             a.coupled.send(tx, bb.id, b"<open id='acc-3'/>", action=OPEN, require="shared")
     assert len(rows(a.url, "SELECT id FROM qtp_coupled_out")) == before
+
+
+def test_an_original_that_arrives_before_its_handler_is_registered_waits_for_it(banks):
+    """A recipient restarts (``Coupled(node)`` starts taking originals at once) and the application registers
+    its shared handler two seconds later: the original waits for it (a missing handler is not a refusal in
+    the first seconds after start) and is processed with the handler's coupling, so the sender commits."""
+    import threading
+
+    b = banks({"a": ("pg", "queued"), "b": ("pg", "shared")})
+    a, bb = b["a"], b["b"]
+    bb.close()
+    outcome = {}
+
+    def send():
+        try:
+            with a.node.manager.transaction(timeout=40) as tx:
+                a.open_here(tx, "acc-1")
+                a.coupled.send(tx, bb.id, b"<open id='acc-1'/>", action=OPEN, condition=processed(within=30))
+            outcome["acc-1"] = "committed"
+        except RollbackError as exc:
+            outcome["acc-1"] = str(exc)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    node = qtp.Node.from_config(bb.config)
+    try:
+        coupled = Coupled(node, sweep_interval=0.5)
+        time.sleep(2.0)  # the original is delivered meanwhile: no handler for it yet
+
+        @coupled.handler(OPEN, coupling="shared")
+        def open_account(tx, message):
+            tx.connection("app").execute(sa.text("INSERT INTO accounts (id, status) VALUES ('acc-1', 'open')"))
+
+        thread.join(40)
+        assert outcome == {"acc-1": "committed"}
+        wait_until(lambda: accounts(bb.url) == {"acc-1": "open"}, 15, "b committed acc-1")
+        assert rows(bb.url, "SELECT coupling, state FROM qtp_coupled_in") == [("shared", "committed")]
+    finally:
+        node.close()

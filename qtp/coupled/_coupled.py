@@ -37,8 +37,8 @@ class Coupled:
 
     ``start=False`` leaves the worker and the start-up sweep to an explicit ``start()``, for an application
     that registers its coupled handlers first: until then the node keeps coupled control messages waiting.
-    With the default, register the handlers right after ``Coupled(node)``: an original that arrives before
-    its action's handler exists is refused (reported "failed").
+    With the default, register the handlers right after ``Coupled(node)``: for 10 s after the start an
+    original whose handler is missing waits for it; after that it is refused (reported "failed").
     """
 
     def __init__(self, node: Any, replies: dict[str, str] | None = None, sweep_interval: float | None = None,
@@ -65,6 +65,7 @@ class Coupled:
         the coupling worker."""
         if not self._started:
             self._started = True
+            self.recipient.started = time.monotonic()
             self.node.handler(ACTION["Message"])(self.recipient.on_message)
             self.node.handler(ACTION["Commit"])(self.recipient.on_decision)
             self.node.handler(ACTION["Abort"])(self.recipient.on_decision)

@@ -37,7 +37,7 @@ from qtp.coupled import _log as log_
 from qtp.coupled import _states as states
 from qtp.coupled._site import Site
 from qtp.coupled._wire import COUPLINGS, Control, decode
-from qtp.errors import ConfigurationError, CoupledWireError, MessageRefusedError, transient
+from qtp.errors import ConfigurationError, CoupledWireError, MessageRefusedError, MessagingError, transient
 from qtp.xa import Xid
 
 log = logging.getLogger("qtp.coupled")
@@ -45,6 +45,13 @@ log = logging.getLogger("qtp.coupled")
 SUB_MARK = "~c"
 ASK_EVERY = 5.0  # seconds before the first Status question about one overdue coupling is repeated
 ASK_MAX = 300.0  # ... doubling up to this
+HANDLER_GRACE = 10.0  # seconds after start in which a missing handler is awaited, not refused
+
+
+class _NoHandlerYet(MessagingError):
+    """The application has not registered the handler yet (just after start): try again, uncounted."""
+
+    retryable = True
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,8 @@ class Recipient:
         self._cap_lock = threading.Lock()
         self._claimed: set[str] = set()           # rows a worker thread acts on now (rule 1)
         self._later: dict[str, tuple[float, int]] = {}  # id -> (not before, transient failures in a row)
-        self._asked: dict[str, tuple[float, float]] = {}  # id -> (ask again at, interval)
+        self._asked: dict[str, tuple[float, float]] = {}
+        self.started = time.monotonic()  # Coupled.start() sets it again  # id -> (ask again at, interval)
 
     # ------------------------------------------------------------------ registration
 
@@ -161,6 +169,7 @@ class Recipient:
         coupling = registered[1] if registered else "queued"
         refusal = None
         if registered is None and control.action not in self.site.node.handlers:
+            self._not_yet(control.action)
             refusal = f"no handler for action {control.action}"
         elif control.require is not None and control.require != coupling:
             refusal = f"the sender requires a {control.require} coupling; the handler here is {coupling}"
@@ -177,6 +186,15 @@ class Recipient:
         elif control.census:
             self._notify(tx, control.coordinator, owner, control.id, control.token, "delivered", coupling)
         tx.on_commit(self.wake.set)
+
+    def _not_yet(self, action: str | None) -> None:
+        """Just after start the application may still be registering its handlers (``Coupled(node)`` then
+        ``@coupled.handler``), while stored originals are already being delivered: for ``HANDLER_GRACE``
+        seconds a missing handler is an outage (tried again, uncounted), not a refusal. Its coupling is
+        read when the original is stored, so it must not be guessed."""
+        if time.monotonic() - self.started < HANDLER_GRACE:
+            raise _NoHandlerYet(f"no handler for action {action} yet, {HANDLER_GRACE:g} s after start: waiting "
+                                "for the application to register it")
 
     def on_decision(self, tx: Any, message: Any) -> None:
         """Commit or Abort from the sender: recorded in the row; the worker acts on it."""
@@ -325,6 +343,7 @@ class Recipient:
             tx = self.manager.begin(gtrid=sub.encode())
             try:
                 if fn is None:
+                    self._not_yet(row.action)
                     raise MessageRefusedError(f"no handler for action {row.action!r}")
                 fn(self._bounded(tx), self._message(row))
                 branches = tx.prepare_subordinate()
@@ -399,6 +418,7 @@ class Recipient:
                     return
                 target = log_.move(conn, row.id, row.state, "process", error=None)
                 if fn is None:
+                    self._not_yet(row.action)
                     raise MessageRefusedError(f"no handler for action {row.action!r}")
                 fn(self._bounded(tx), self._message(row))
                 self._notify(tx, row.coordinator, row.owner, row.id, row.token, states.REPORT[target], row.coupling)
@@ -428,6 +448,7 @@ class Recipient:
                     tx.rollback()
                     return
                 if fn is None:
+                    self._not_yet(row.action)
                     raise MessageRefusedError(f"no compensator for action {row.action!r} (coupling {row.coupling}): "
                                               "its effect stays")
                 fn(self._bounded(tx), self._message(row, compensation=True))
