@@ -1051,10 +1051,12 @@ def test_the_model_finds_the_old_race():
 
 def test_the_strong_checks_find_the_old_race_at_the_stale_rollback():
     """With the strong checks, the same race is reported at the step that causes it: voted work rolled back
-    while the sender has not decided."""
+    while the sender has not decided, or after it committed (which of the two the search meets first depends
+    on the order it explores, which is not the same in every interpreter run)."""
     found = _search(OldLogicModel, 1000)
     assert found is not None, "the model no longer finds issue 27 in the old logic"
-    assert re.search(r"its voted subordinate \S+ was rolled back; the sender's row is active", str(found)), found
+    assert re.search(r"its voted subordinate \S+ was rolled back; the sender's row is (active|committed)",
+                     str(found)), found
 
 
 # ---------------------------------------------------------------------- schedules replayed step by step
