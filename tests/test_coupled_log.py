@@ -79,7 +79,8 @@ def test_coupling_rows_move_only_by_the_table_and_only_from_the_state_read(log):
     with pytest.raises(ProtocolError):
         impl.move(conn, "r1", states.PREPARING, "compensate")                          # no such move
     assert impl.held(conn, "peer") == 1 and impl.held(conn, None) == 0
-    assert [r.sub_gtrid for r in impl.preparing(conn)] == ["s1"]
+    assert impl.work(conn, now, 10) == ["r1"]  # a preparing row is found by the worker, deadline or not
+    assert impl.received(conn, "r1").sub_gtrid == "s1"
     assert impl.move(conn, "r1", states.PREPARING, "vote", sub="s1", branches="app") == states.PREPARED
     row = impl.received(conn, "r1")
     assert (row.state, row.sub_gtrid, row.branches) == ("prepared", "s1", "app")

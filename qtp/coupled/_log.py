@@ -20,6 +20,7 @@ from qtp.coupled import _tables as tables
 
 OUT = tables.outbound
 IN = tables.inbound
+BUSY = sorted(states.WORK - {states.RECEIVED})  # worked on whatever the deadline
 
 
 # ================================================================== the sender's sphere log
@@ -120,17 +121,13 @@ def note_attempt(conn: Any, coupling_id: str, state: str, attempts: int, next_at
 
 
 def work(conn: Any, now: float, limit: int) -> list[str]:
-    """Ids of rows with something to do now. An original still undecided past its deadline waits for the
-    decision (the sender has made it or makes it now): processing it could only be undone again."""
+    """Ids of rows with something to do now (``preparing`` ones included: the worker skips those it holds,
+    and undoes the others). An original still undecided past its deadline waits for the decision (the
+    sender has made it or makes it now): processing it could only be undone again."""
     c = IN.c
-    due = sa.or_(sa.and_(c.state == states.RECEIVED, c.deadline > now),
-                 c.state.in_([states.ORDERED, states.COMMITTING, states.ROLLING_BACK, states.COMPENSATING]))
+    due = sa.or_(sa.and_(c.state == states.RECEIVED, c.deadline > now), c.state.in_(BUSY))
     return [r for (r,) in conn.execute(sa.select(c.id).where(c.next_at <= now, due)
                                        .order_by(c.received_at).limit(limit))]
-
-
-def preparing(conn: Any) -> list[Any]:
-    return conn.execute(sa.select(IN.c.id, IN.c.sub_gtrid).where(IN.c.state == states.PREPARING)).all()
 
 
 def waiting_past_deadline(conn: Any, now: float) -> list[Any]:

@@ -151,16 +151,10 @@ def note_attempt(conn: MemoryTables, coupling_id: str, state: str, attempts: int
 
 
 def work(conn: MemoryTables, now: float, limit: int) -> list[str]:
-    busy = {states.ORDERED, states.COMMITTING, states.ROLLING_BACK, states.COMPENSATING}
     with conn.lock:
         found = [r for r in conn.inn.values() if r["next_at"] <= now and (
-            (r["state"] == states.RECEIVED and r["deadline"] > now) or r["state"] in busy)]
+            r["state"] in states.WORK and (r["state"] != states.RECEIVED or r["deadline"] > now))]
         return [r["id"] for r in sorted(found, key=lambda r: r["received_at"])[:limit]]
-
-
-def preparing(conn: MemoryTables) -> list[Any]:
-    with conn.lock:
-        return [_row(r) for r in conn.inn.values() if r["state"] == states.PREPARING]
 
 
 def waiting_past_deadline(conn: MemoryTables, now: float) -> list[Any]:

@@ -231,7 +231,7 @@ class Recipient:
                 values["compensation"] = control.body if control.body is not None else row.compensation
             log_.move(conn, row.id, row.state, event, **values)
             tx.on_commit(self.wake.set)
-        if target in states.FINAL and (target != row.state or target in states.REPORT):
+        if target in states.FINAL:  # a final state is reported, again if the decision came again
             self._notify(tx, row.coordinator, row.owner, row.id, row.token, states.REPORT[target], row.coupling,
                          row.error if target == "failed" else None)
 
@@ -256,7 +256,7 @@ class Recipient:
         """Hand the rows that have work to the pool (each to one thread at a time); True if any was new."""
         now = time.time()
         with self.site.store.local() as conn:
-            ids = log_.work(conn, now, limit=64) + [r.id for r in log_.preparing(conn)]
+            ids = log_.work(conn, now, limit=64)
         fresh = 0
         for coupling_id in ids:
             with self._lock:

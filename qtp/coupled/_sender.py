@@ -107,33 +107,37 @@ class Sender:
                 raise ConfigurationError(f"require= names a coupling of {', '.join(COUPLINGS)}, not {coupling!r}")
         targets = {name: self.site.channel(name) for name in names}  # every channel checked before anything leaves
         self._check_offers(action, required)
-        self._check_bodies(tx, action, payload, required, compensations)
-        sphere = self._sphere(tx)
         # the census (HTS): who joined matters for "delivered" conditions, and for a fan-out that does not need
         # everyone (a shared recipient that joined must then vote before the sender decides)
         census = condition.level == "delivered" or (len(names) > 1 and condition.at_least is not None
                                                     and condition.at_least < len(names))
         deadline = time.time() + condition.within
-        ids: dict[str, str] = {}
-        # registered before the first original leaves: if a later one fails and the application commits
-        # anyway, the condition still covers (and the decision still reaches) every original that left
-        sphere.sent.append(_Sent(condition, deadline, ids))
+        originals = []  # every original encoded, and every Abort it may need checked, before anything leaves
         for name in names:
-            settings, store = targets[name]
             with self._lock:
                 self._counter += 1
                 coupling_id = f"{tx.xid}:{self._counter}"
             token = new_token()
-            original = Control("Message", coupling_id, transaction=tx.xid, coordinator=self.site.node_id,
-                               action=action, deadline=deadline, body=payload, census=census, token=token,
-                               require=required[name])
             undo = compensations[name] if compensations[name] is not None else payload
+            body = self._encoded(name, "payload", Control(
+                "Message", coupling_id, transaction=tx.xid, coordinator=self.site.node_id, action=action,
+                deadline=deadline, body=payload, census=census, token=token, require=required[name]))
+            self._encoded(name, "compensation", Control("Abort", coupling_id, body=undo, token=token,
+                                                        coordinator=self.site.node_id))
+            originals.append((name, coupling_id, token, undo, body))
+        sphere = self._sphere(tx)
+        ids: dict[str, str] = {}
+        # registered before the first original leaves: if a later one fails and the application commits
+        # anyway, the condition still covers (and the decision still reaches) every original that left
+        sphere.sent.append(_Sent(condition, deadline, ids))
+        for name, coupling_id, token, undo, body in originals:
+            settings, store = targets[name]
             with self._changed:  # before the original can leave: its first report must find it
                 self._reports[coupling_id] = ("sent", None, None)
             with store.local() as conn:
                 log_.record_sent(conn, id=coupling_id, gtrid=tx.xid, channel=name, action=action, compensation=undo,
                                  token=token, deadline=deadline)
-                store.enqueue(conn, self.site.outgoing(name, original))
+                store.enqueue(conn, self.site.outgoing(name, coupling_id, "Message", body))
             sphere.stores[settings.store] = store
             ids[name] = coupling_id
         self.site.wake_sender()
@@ -152,23 +156,16 @@ class Sender:
                                          f"recipient handles {action} as {offered} (it said so "
                                          f"{now - seen:.0f} s ago)")
 
-    def _check_bodies(self, tx: Any, action: str, payload: bytes, required: dict[str, Any],
-                      compensations: dict[str, bytes | None]) -> None:
-        """Before anything leaves: every original and Abort this send could make is valid XML and fits in a
-        request to a peer (one that did not would be refused by the peer for ever, blocking its channel)."""
-        probe = dict(id=f"{tx.xid}:{10 ** 12}", token="0" * 32)
-        for name, coupling in required.items():
-            undo = compensations[name] if compensations[name] is not None else payload
-            for what, control in [("payload", Control("Message", transaction=tx.xid, coordinator=self.site.node_id,
-                                                      action=action, deadline=0.0, body=payload, census=True,
-                                                      require=coupling, **probe)),
-                                  ("compensation", Control("Abort", body=undo, coordinator=self.site.node_id,
-                                                           **probe))]:
-                try:
-                    self.site.node.check_size(encode(control))
-                except etree.XMLSyntaxError as exc:
-                    raise ConfigurationError(f"coupled.send: the {what} for channel {name!r} is not one XML "
-                                             f"element ({exc})") from None
+    def _encoded(self, channel: str, what: str, control: Control) -> bytes:
+        """``control`` encoded, refused now if its body is not one XML element or it would not fit in a request
+        to the peer (one that did not would be refused by the peer for ever, blocking the channel)."""
+        try:
+            body = encode(control)
+        except etree.XMLSyntaxError as exc:
+            raise ConfigurationError(f"coupled.send: the {what} for channel {channel!r} is not one XML element "
+                                     f"({exc})") from None
+        self.site.node.check_size(body)
+        return body
 
     def _sphere(self, tx: Any) -> _Sphere:
         sphere = self._spheres.get(tx.xid)
@@ -340,8 +337,9 @@ class Sender:
             return
         log_.report(conn, control.id, control.state, control.coupling, control.reason)
         tx.on_commit(lambda: self._note(control))
-        if control.coupling is not None:
-            tx.on_commit(lambda: self._offers.__setitem__((row.channel, row.action), (control.coupling, time.time())))
+        if control.coupling is not None:  # what this recipient offers for the action (see _check_offers)
+            offer = (row.channel, row.action)
+            tx.on_commit(lambda: self._offers.update({offer: (control.coupling, time.time())}))
 
     def _note(self, control: Control) -> None:
         with self._changed:

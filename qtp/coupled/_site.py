@@ -75,16 +75,16 @@ class Site:
     def store_resources(self) -> list[str]:
         return sorted({c.store for c in self.node.channels.values() if c.mode == "xa" and c.store})
 
-    def outgoing(self, channel: str, control: Control) -> Outgoing:
-        """``control`` as a message of ``channel``, in the lane of its coupling id."""
+    def outgoing(self, channel: str, coupling_id: str, kind: str, body: bytes) -> Outgoing:
+        """An encoded control message of ``kind`` as a message of ``channel``, in the lane of its coupling."""
         settings = self.node.channels[channel]
-        return Outgoing(route=settings.route_for(control.id), message_id=f"urn:uuid:{uuid.uuid4()}",
-                        action=ACTION[control.kind], payload=encode(control), enqueued_at=time.time())
+        return Outgoing(route=settings.route_for(coupling_id), message_id=f"urn:uuid:{uuid.uuid4()}",
+                        action=ACTION[kind], payload=body, enqueued_at=time.time())
 
     def enqueue(self, conn: Any, channel: str, control: Control) -> None:
         """Write ``control`` into ``channel``'s store on ``conn`` (a local or global transaction's)."""
         settings, store = self.channel(channel)
-        store.enqueue(conn, self.outgoing(channel, control))
+        store.enqueue(conn, self.outgoing(channel, control.id, control.kind, encode(control)))
 
     def send(self, tx: Any, channel: str, control: Control) -> None:
         self.node.send(tx, channel, encode(control), action=ACTION[control.kind], key=control.id)

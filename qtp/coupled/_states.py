@@ -112,12 +112,8 @@ RECIPIENT: dict[tuple[str | None, str], str] = {
     ("compensated", "abort"): "compensated",
 }
 
-# The states in which the sender's decision is still due (the recipient may ask for it).
-UNDECIDED = frozenset({RECEIVED, PREPARING, PREPARED, PROCESSED})
-# The states in which the coupling worker has something to do.
+# The states in which the coupling worker has something to do (``received`` only before its deadline).
 WORK = frozenset({RECEIVED, PREPARING, ORDERED, COMMITTING, ROLLING_BACK, COMPENSATING})
-# Unvoted subordinate work may be rolled back by the recipient in these states; never in any other.
-UNVOTED = frozenset({PREPARING, ORDERED})
 # What a recipient reports when its row reaches a state (None: nothing to report).
 REPORT = {PREPARED: "prepared", PROCESSED: "processed", "committed": "committed", "cancelled": "cancelled",
           "rolled-back": "rolled-back", "compensated": "compensated", "failed": "failed",
@@ -134,11 +130,6 @@ def next_state(table: dict[tuple[str | None, str], str], state: str | None, even
 
 def allowed(table: dict[tuple[str | None, str], str], state: str | None, event: str) -> bool:
     return (state, event) in table
-
-
-def sources(table: dict[tuple[str | None, str], str], event: str) -> list[str]:
-    """Every state from which ``event`` moves a row (the WHERE of a compare-and-set)."""
-    return sorted(s for (s, e) in table if e == event and s is not None)
 
 
 def mermaid(table: dict[tuple[str | None, str], str], title: str) -> str:
