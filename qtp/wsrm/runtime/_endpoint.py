@@ -11,8 +11,9 @@ HTTP rules (SOAP 1.1 and 1.2 HTTP bindings, WS-RM 1.1 section 3):
 - ``GET /metrics``: Prometheus metrics (with ``[node] metrics_token``, only for ``Authorization: Bearer
   TOKEN``); ``GET /health``: ``ok`` once the node has started. Exactly these paths; SOAP is taken at the
   endpoint's own path only (404 elsewhere).
-- ``401`` for a request whose signature or client certificate does not hold, or that proves nothing when
-  the node takes no anonymous requests (see ``qtp.wsrm.runtime._security``). The caller's identity goes
+- ``401`` for a request whose signature or client certificate does not hold (a malformed signature header,
+  one for another node, one taken before), or that proves nothing when the
+  node takes no anonymous requests (see ``qtp.wsrm.runtime._security``). The caller's identity goes
   with the envelope to the receiver, which checks it against the sequence's owner.
 
 Input that is not a usable envelope is answered with a fault and never reaches the store. Faults say
@@ -45,6 +46,7 @@ from qtp.wsrm.runtime._security import (
     HEADER,
     WSGI_HEADER,
     AuthenticationError,
+    SeenSignatures,
     certificate_peer,
     sign_response,
     verify_request,
@@ -90,6 +92,7 @@ class Endpoint:
         self.security = node.settings.security
         self.path = (urlsplit(node.endpoint).path if node.endpoint else "") or "/"
         self.anonymous = self.security.anonymous_allowed(node.settings.listen_host())
+        self.seen = SeenSignatures(node.limits.max_clock_skew)
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         method = environ.get("REQUEST_METHOD", "GET")
@@ -135,7 +138,7 @@ class Endpoint:
     def _authenticate(self, environ: dict[str, Any], path: str, data: bytes) -> _Request:
         header = environ.get(WSGI_HEADER)
         if header:
-            peer = verify_request(self.security, header, "POST", path, data)
+            peer = verify_request(self.security, header, "POST", path, data, self.node.manager.node_id, self.seen)
             return _Request(peer.name, header, peer.secret)
         peer = certificate_peer(self.security, environ)
         if peer is not None:
