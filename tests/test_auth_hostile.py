@@ -232,3 +232,48 @@ def test_a_malformed_signature_header_is_401_not_500(recorded):
         assert b"Traceback" not in answer.content
     assert set(statuses.values()) == {401}, statuses
     _finish(pair, 10)
+
+
+# ---------------------------------------------------------------------------------------------- both credentials
+
+def test_a_peer_with_a_secret_and_a_certificate_must_present_both(tmp_path, pg_db, maria_db):
+    """The server knows the client by a secret and by its pinned client certificate. A request signed with the
+    secret but without the certificate, and one with the certificate but unsigned, were each accepted (200):
+    a stolen secret or a stolen key alone was enough. Now both are required; the client, which has both,
+    sends its orders over TLS exactly once."""
+    from test_security_hostile import _certificates, _fingerprint
+
+    certs = _certificates(tmp_path)
+    client_app, server_app = pg_db("client"), maria_db("server")
+    client_schema(client_app)
+    server_schema(server_app)
+    pair = Pair(client_app, server_app, secret=SECRET, client_listens=False)
+    client_config, server_config = pair.write(tmp_path)
+    client_id, server_id = node_id("client", tmp_path), node_id("server", tmp_path)
+    http, https = f"http://127.0.0.1:{pair.server_port}", f"https://127.0.0.1:{pair.server_port}"
+    server_config.write_text(server_config.read_text().replace(http, https).replace(
+        "\n[node]\n", f'\n[node]\ntls_cert = "{certs["server.pem"]}"\ntls_key = "{certs["server.key"]}"\n'
+        f'tls_client_ca = "{certs["ca.pem"]}"\n', 1).replace(
+        f"[peers.{client_id}]\n", f'[peers.{client_id}]\nfingerprint = "{_fingerprint(certs["client.pem"])}"\n'))
+    client_config.write_text(client_config.read_text().replace(http, https).replace(
+        "\n[node]\n", f'\n[node]\ntls_ca = "{certs["ca.pem"]}"\ntls_cert = "{certs["client.pem"]}"\n'
+        f'tls_key = "{certs["client.key"]}"\n', 1))
+    server = NodeProcess(server_config, tmp_path / "server.log").start()
+    client = NodeProcess(client_config, tmp_path / "client.log",
+                         {"QTP_TEST_SEND": "10", "QTP_TEST_ABORT_EVERY": "0", "QTP_TEST_RATE": "5"})
+    try:
+        client.start()
+        url, ca, key = f"{https}/rm", str(certs["ca.pem"]), (str(certs["client.pem"]), str(certs["client.key"]))
+        create = request(CreateSequence(ANON))
+        statuses = {
+            "secret alone": post_as(url, create, client_id, SECRET, to=server_id, verify=ca).status_code,
+            "certificate alone": post_as(url, create, None, "", verify=ca, cert=key).status_code,
+            "both": post_as(url, create, client_id, SECRET, to=server_id, verify=ca, cert=key).status_code,
+        }
+        assert statuses == {"secret alone": 401, "certificate alone": 401, "both": 200}, statuses
+        wait_until(lambda: _applied(pair) >= 10, 180, "10 orders over TLS")
+        result = check_exactly_once(client_app, server_app, False)
+        assert result["committed"] == 10 == result["applied"]
+    finally:
+        client.kill()
+        server.kill()

@@ -257,10 +257,11 @@ def request(body: object = None, *, to: str = "http://x/rm", message_id: str | N
     return envelope
 
 
-def post_as(url: str, message: Envelope | bytes, peer: str | None, secret: str,
-            to: str | None = None) -> requests.Response:
+def post_as(url: str, message: Envelope | bytes, peer: str | None, secret: str, to: str | None = None,
+            **options: object) -> requests.Response:
     """POST a SOAP 1.2 request (an envelope, or bytes as they are) signed as ``peer`` with ``secret`` for the
-    node ``to`` (by default the NodeProcess listening at ``url``), or anonymously (``peer`` None)."""
+    node ``to`` (by default the NodeProcess listening at ``url``), or anonymously (``peer`` None); ``options``
+    go to ``requests.post`` (``verify``, ``cert``)."""
     body = message if isinstance(message, bytes) else encode(message)
     headers = {"Content-Type": content_type(SoapVersion.SOAP12, None)}
     if peer is not None:
@@ -268,7 +269,7 @@ def post_as(url: str, message: Envelope | bytes, peer: str | None, secret: str,
         if receiver is None:
             raise ValueError(f"post_as: no NodeProcess listens at {url}; give to=<its [node] id>")
         headers[HEADER] = sign_request(secret.encode(), peer, receiver, "POST", "/rm", body)
-    return requests.post(url, data=body, headers=headers, timeout=10)
+    return requests.post(url, data=body, headers=headers, timeout=10, **options)  # type: ignore[arg-type]
 
 
 def counter(url: str, name: str) -> float | None:

@@ -12,7 +12,7 @@ HTTP rules (SOAP 1.1 and 1.2 HTTP bindings, WS-RM 1.1 section 3):
   TOKEN``); ``GET /health``: ``ok`` once the node has started. Exactly these paths; SOAP is taken at the
   endpoint's own path only (404 elsewhere).
 - ``401`` for a request whose signature or client certificate does not hold (a malformed signature header,
-  one for another node, one taken before), or that proves nothing when the
+  one for another node, one taken before, a peer's credential missing), or that proves nothing when the
   node takes no anonymous requests (see ``qtp.wsrm.runtime._security``). The caller's identity goes
   with the envelope to the receiver, which checks it against the sequence's owner.
 
@@ -48,6 +48,7 @@ from qtp.wsrm.runtime._security import (
     AuthenticationError,
     SeenSignatures,
     certificate_peer,
+    identify,
     sign_response,
     verify_request,
 )
@@ -137,14 +138,15 @@ class Endpoint:
 
     def _authenticate(self, environ: dict[str, Any], path: str, data: bytes) -> _Request:
         header = environ.get(WSGI_HEADER)
+        signed = None
         if header:
-            peer = verify_request(self.security, header, "POST", path, data, self.node.manager.node_id, self.seen)
-            return _Request(peer.name, header, peer.secret)
-        peer = certificate_peer(self.security, environ)
-        if peer is not None:
-            return _Request(peer.name)
-        if environ.get("SSL_CLIENT_VERIFY") == "SUCCESS":
+            signed = verify_request(self.security, header, "POST", path, data, self.node.manager.node_id, self.seen)
+        certified = certificate_peer(self.security, environ)
+        if certified is None and signed is None and environ.get("SSL_CLIENT_VERIFY") == "SUCCESS":
             raise AuthenticationError("the client certificate names no peer of this node")
+        peer = identify(signed, certified)
+        if peer is not None:
+            return _Request(peer.name, header if signed else None, peer.secret if signed else None)
         if not self.anonymous:
             raise AuthenticationError("the request is not signed and this node takes no anonymous requests")
         return _Request(None)

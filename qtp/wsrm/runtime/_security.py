@@ -8,7 +8,7 @@ A node knows its peers from ``[peers.NAME]`` tables, NAME being the peer's ``[no
     fingerprint = "sha256:AB:CD:..."            # optional: its TLS client certificate, pinned
     allow_addresses = ["https://shop.example:8444/rm"]   # optional: more addresses it may name
 
-How a peer proves who it is (either is enough; both may be required by configuring both):
+How a peer proves who it is:
 
 - **An HMAC of the request** (``X-Qtp-Signature``): HMAC-SHA256, with the secret both nodes share, over
   the sending node's id, the receiving node's id (the name the sender gives it in its ``[peers]``), a Unix
@@ -24,6 +24,11 @@ How a peer proves who it is (either is enough; both may be required by configuri
 - **Mutual TLS**: ``[node] tls_client_ca`` makes the server ask for a client certificate; a certificate
   signed by that CA whose SHA-256 fingerprint is pinned by ``[peers.NAME] fingerprint`` (or, without pins,
   whose subject CN is NAME) identifies the peer.
+
+Every credential configured for a peer is required (``identify``): a peer with a secret signs every request,
+a peer with a pinned fingerprint presents that certificate on every request, so a peer with both proves
+both, and a stolen secret or a stolen key alone is not enough. A signature and a certificate that name two
+different peers prove nothing.
 
 A request that proves nothing is *anonymous*. A node accepts anonymous requests only when ``[node]
 allow_anonymous = true``, or by default when it listens on loopback only (a development set-up); what an
@@ -240,6 +245,22 @@ def verify_response(peer: Peer, header: str, request_signature: str, status: int
                     str(status).encode(), hashlib.sha256(body).digest())
     if peer.secret is None or fields["id"] != peer.name or not hmac.compare_digest(expected, fields["sig"]):
         raise AuthenticationError(f"the answer of {peer.name} is not signed by it")
+
+
+def identify(signed: Peer | None, certified: Peer | None) -> Peer | None:
+    """The peer a request proves, from the peer its signature names and the peer its client certificate
+    names (None: anonymous). Every credential configured for the peer is required, so a peer with a
+    secret and a fingerprint proves both; two proofs that name different peers prove nothing."""
+    if signed is not None and certified is not None and signed.name != certified.name:
+        raise AuthenticationError(f"signed as {signed.name} but the client certificate is {certified.name}'s")
+    peer = signed or certified
+    if peer is None:
+        return None
+    if peer.secret is not None and signed is None:
+        raise AuthenticationError(f"peer {peer.name} has a secret: its requests must be signed as well")
+    if peer.fingerprint is not None and certified is None:
+        raise AuthenticationError(f"peer {peer.name} has a pinned certificate: its requests must present it as well")
+    return peer
 
 
 def certificate_peer(security: Security, environ: dict[str, Any]) -> Peer | None:
