@@ -277,3 +277,25 @@ def test_a_peer_with_a_secret_and_a_certificate_must_present_both(tmp_path, pg_d
     finally:
         client.kill()
         server.kill()
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+def test_metrics_beyond_loopback_need_the_token(recorded, tmp_path):
+    """A node listening on 0.0.0.0 answered ``GET /metrics`` to anyone (200, its peers and polling clients
+    named). Now it does not start without ``[node] metrics_token``; with it, /metrics is 401 without the
+    token."""
+    pair, client, server, _ = recorded(send=10, rate=5)
+    server.kill()
+    config = server.config.read_text().replace(f'listen = "127.0.0.1:{server.port}"',
+                                               f'listen = "0.0.0.0:{server.port}"')
+    server.config.write_text(config)
+    with pytest.raises(RuntimeError, match="metrics_token"):
+        server.start(timeout=60)
+    token = "metrics-token-0123456789"
+    server.config.write_text(config.replace("\n[node]\n", f'\n[node]\nmetrics_token = "{token}"\n', 1))
+    server.start()
+    metrics = f"http://127.0.0.1:{server.port}/metrics"
+    assert requests.get(metrics, timeout=10).status_code == 401
+    assert requests.get(metrics, headers={"Authorization": f"Bearer {token}"}, timeout=10).status_code == 200
+    _finish(pair, 10)

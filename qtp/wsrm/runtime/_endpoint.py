@@ -9,8 +9,8 @@ HTTP rules (SOAP 1.1 and 1.2 HTTP bindings, WS-RM 1.1 section 3):
   addressable AcksTo), and a SOAP fault with ``500`` (SOAP 1.1; SOAP 1.2 Receiver) or ``400`` (SOAP 1.2
   Sender), or ``503`` when the node cannot take the message now (it stored nothing; the sender retries).
 - ``GET /metrics``: Prometheus metrics (with ``[node] metrics_token``, only for ``Authorization: Bearer
-  TOKEN``); ``GET /health``: ``ok`` once the node has started. Exactly these paths; SOAP is taken at the
-  endpoint's own path only (404 elsewhere).
+  TOKEN``; a node listening beyond loopback does not start without it); ``GET /health``: ``ok`` once the
+  node has started. Exactly these paths; SOAP is taken at the endpoint's own path only (404 elsewhere).
 - ``401`` for a request whose signature or client certificate does not hold (a malformed signature header,
   one for another node, one taken before, a peer's credential missing), or that proves nothing when the
   node takes no anonymous requests (see ``qtp.wsrm.runtime._security``). The caller's identity goes

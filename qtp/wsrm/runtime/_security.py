@@ -106,6 +106,14 @@ class Security:
             return self.allow_anonymous
         return listen_host is None or is_loopback(listen_host)
 
+    def require_metrics_token(self, listen_host: str | None) -> None:
+        """A node listening beyond loopback serves ``/metrics`` only with a token: the metrics name its peers
+        and its polling clients, and anyone who reaches the port would read them."""
+        if self.metrics_token is None and listen_host is not None and not is_loopback(listen_host):
+            raise ConfigurationError(f"[node] listens on {listen_host}, beyond loopback: set [node] metrics_token "
+                                     "(16+ characters; /metrics then needs Authorization: Bearer TOKEN), or "
+                                     "listen on 127.0.0.1")
+
     def anonymous_may_name(self, address: str, listen_host: str | None) -> bool:
         if self.anonymous_addresses:
             return any(_same_url(address, a) or address.startswith(a.rstrip("*")) and a.endswith("*")
