@@ -261,6 +261,8 @@ class Node:
     def start(self) -> "Node":
         if self.started:
             return self
+        if self.endpoint is not None:
+            self.settings.security.require_metrics_token(self.settings.listen_host())
         for store in self.distinct_stores():
             store.create()
         self.receiver.load()
