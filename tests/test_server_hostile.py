@@ -367,7 +367,20 @@ def test_deadlines_and_the_per_address_cap(deploy):
         sock.close()
     assert len(refused) == 4, f"{12 - len(refused)} of 12 connections from one address kept (cap 8)"
     assert _health(d.port, tls=True, timeout=2.0) is not None
+    metrics = requests.get(f"https://127.0.0.1:{d.port}/metrics", verify=False, timeout=5).text
+    counted = {reason: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                           if line.startswith("qtp_requests_refused_total{") and f'reason="{reason}"' in line)
+               for reason in ("connections", "deadline")}
+    assert counted["connections"] >= 4 and counted["deadline"] >= 2, counted
     d.reconcile()
+
+
+def test_a_body_budget_smaller_than_a_request_is_a_configuration_error(tmp_path):
+    from qtp.errors import ConfigurationError
+    from qtp.wsrm.runtime._settings import Limits, NodeSettings, check
+
+    with pytest.raises(ConfigurationError, match="max_body_memory"):
+        check(NodeSettings(limits=Limits(max_request_bytes=4 << 20, max_body_memory=1 << 20)))
 
 
 # ---------------------------------------------------------------------------------------------- parsing

@@ -138,11 +138,15 @@ class _Refused(Exception):
 
 class HttpServer:
     """``HttpServer(app, host, port, limits, tls=context, health=callable).start()`` serves the WSGI ``app``
-    until ``stop()``. ``health()`` is True once the node has started."""
+    until ``stop()``. ``health()`` is True once the node has started; ``refused(reason)`` is told of each
+    connection closed by a limit: ``connections`` (the per-address cap) or ``deadline`` (handshake or
+    request too slow)."""
 
     def __init__(self, app: Callable[..., Iterable[bytes]], host: str, port: int, limits: Any,
-                 tls: ssl.SSLContext | None = None, health: Callable[[], bool] | None = None):
+                 tls: ssl.SSLContext | None = None, health: Callable[[], bool] | None = None,
+                 refused: Callable[[str], None] = lambda reason: None):
         self.app, self.host, self.port, self.limits, self.tls, self.health = app, host, port, limits, tls, health
+        self.refused = refused
         self.refused_connections = 0
         self._open: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -216,6 +220,7 @@ class HttpServer:
                     log.warning("refused a connection from %s: it holds %d already ([limits] "
                                 "max_connections_per_address)", client, self._open[client])
                 sock.close()
+                self.refused("connections")
                 continue
             self._open[client] = self._open.get(client, 0) + 1
             task = self._loop.create_task(self._connection(sock, address))
@@ -231,16 +236,19 @@ class HttpServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             reader = asyncio.StreamReader(limit=MAX_HEAD)
             protocol = asyncio.StreamReaderProtocol(reader)
-            transport, _ = await self._loop.connect_accepted_socket(
-                lambda: protocol, sock, ssl=self.tls,
-                ssl_handshake_timeout=self.limits.http_handshake_timeout if self.tls else None)
+            async with asyncio.timeout(self.limits.http_handshake_timeout):  # TLS handshake: asyncio's own
+                transport, _ = await self._loop.connect_accepted_socket(  # timeout is a ConnectionAbortedError
+                    lambda: protocol, sock, ssl=self.tls,
+                    ssl_handshake_timeout=self.limits.http_handshake_timeout + 1 if self.tls else None)
             writer = asyncio.StreamWriter(transport, protocol, reader, self._loop)
             base = self._environ(writer, address)
             while await self._exchange(reader, writer, base):
                 pass
             finished = True
-        except (OSError, EOFError, ssl.SSLError, asyncio.TimeoutError, asyncio.IncompleteReadError):
-            pass  # the client went away, broke TLS or ran out of time: nothing to answer
+        except asyncio.TimeoutError:
+            self.refused("deadline")
+        except (OSError, EOFError, ssl.SSLError, asyncio.IncompleteReadError):
+            pass  # the client went away or broke TLS: nothing to answer
         except asyncio.CancelledError:
             pass  # the server is stopping
         except Exception:
@@ -283,8 +291,11 @@ class HttpServer:
     async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                         base: dict[str, Any]) -> bool:
         """Read one request, answer it; True when the connection stays open for the next one."""
-        async with asyncio.timeout(self.limits.http_idle_timeout):
-            first = await reader.read(1)
+        try:
+            async with asyncio.timeout(self.limits.http_idle_timeout):
+                first = await reader.read(1)
+        except asyncio.TimeoutError:
+            return False  # idle: closed, nothing refused
         if not first:
             return False
         deadline = self._loop.time() + self.limits.http_request_timeout

@@ -320,7 +320,9 @@ class Node:
         host, port = self.settings.listen or _listen_address(self.endpoint)
         security = self.settings.security
         tls = _tls_context(security) if security.tls_cert else None
-        server = HttpServer(self.wsgi, host, port, self.limits, tls=tls, health=lambda: self.started)
+        refused = self.metrics.refused
+        server = HttpServer(self.wsgi, host, port, self.limits, tls=tls, health=lambda: self.started,
+                            refused=lambda reason: refused.labels(reason=reason).inc())
         if not security.anonymous_allowed(self.settings.listen_host()):
             log.info("node %s takes authenticated requests only (%d peer(s) known)", self.manager.node_id,
                      len(security.peers))
