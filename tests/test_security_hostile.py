@@ -348,12 +348,13 @@ def test_concurrent_create_sequences_all_succeed_on_mariadb(hostile):
 
 
 def test_idle_connections_do_not_lock_out_peers(hostile):
-    """Attack 4e: more idle sockets than the old server's connection limit (100)."""
+    """Attack 4e: more idle sockets than the old server's connection limit (100), from the attacker's own
+    address (127.0.0.3: past [limits] max_connections_per_address they are closed at once)."""
     pair, client, server = hostile(send=20, rate=10)
     sockets = []
     try:
         for _ in range(150):
-            s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=5, source_address=("127.0.0.3", 0))
             sockets.append(s)
         began = time.monotonic()
         assert requests.get(f"http://127.0.0.1:{server.port}/health", timeout=10).text.strip() == "ok"

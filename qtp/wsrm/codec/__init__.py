@@ -7,7 +7,14 @@ WS-MakeConnection 1.1), with lxml.
 """
 
 from qtp.wsrm.codec._batch import BATCH_CONTENT_TYPE, decode_batch, encode_batch
-from qtp.wsrm.codec._decode import DEFAULT_MAX_BYTES, DEFAULT_MAX_DEPTH, decode, parse_duration
+from qtp.wsrm.codec._decode import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_DEPTH,
+    DEFAULT_MAX_ELEMENTS,
+    decode,
+    most_elements,
+    parse_duration,
+)
 from qtp.wsrm.codec._encode import CheckedPayload, check_payload, default_action, encode, format_duration
 from qtp.wsrm.codec._envelope import Addressing, EncodingError, Envelope, InvalidMessage, MakeConnection, SoapFault
 from qtp.wsrm.codec._names import (
@@ -31,11 +38,11 @@ from qtp.wsrm.codec._names import (
 from qtp.wsrm.codec._schemas import SCHEMA_FILES, WSMC_SCHEMA_FILE, Validator
 
 __all__ = [
-    "BATCH_CONTENT_TYPE", "COMBINATIONS", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_DEPTH", "MAKE_CONNECTION_ACTION",
-    "MISSING_SELECTION", "RM_NS", "SCHEMA_FILES", "SOAP_NS", "UNSUPPORTED_SELECTION", "WSA_NS", "WSMC_ANONYMOUS",
-    "WSMC_FAULT_ACTION", "WSMC_NS", "WSMC_SCHEMA_FILE",
+    "BATCH_CONTENT_TYPE", "COMBINATIONS", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_DEPTH", "DEFAULT_MAX_ELEMENTS",
+    "MAKE_CONNECTION_ACTION", "MISSING_SELECTION", "RM_NS", "SCHEMA_FILES", "SOAP_NS", "UNSUPPORTED_SELECTION",
+    "WSA_NS", "WSMC_ANONYMOUS", "WSMC_FAULT_ACTION", "WSMC_NS", "WSMC_SCHEMA_FILE",
     "Addressing", "CheckedPayload", "EncodingError", "Envelope", "InvalidMessage", "MakeConnection", "SoapFault",
     "SoapVersion", "Validator", "WsaVersion",
     "action", "anonymous", "check_payload", "decode", "decode_batch", "default_action", "encode", "encode_batch",
-    "format_duration", "mc_anonymous", "mc_id", "parse_duration",
+    "format_duration", "mc_anonymous", "mc_id", "most_elements", "parse_duration",
 ]

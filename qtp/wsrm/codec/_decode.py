@@ -2,8 +2,9 @@
 
 Hardened: input above ``max_bytes`` is refused before parsing; any DTD is refused (so no entity expansion,
 no billion laughs, no external entities); the parser never touches the network; libxml2's own limits stop
-documents deeper than 256 levels and qtp refuses deeper than ``max_depth``. Every failure becomes an
-``InvalidMessage`` carrying the wire fault code to answer with.
+documents deeper than 256 levels and qtp refuses deeper than ``max_depth``; a document of more than
+``max_elements`` elements is refused while it is parsed, before its tree (about 130 bytes an element)
+grows past that. Every failure becomes an ``InvalidMessage`` carrying the wire fault code to answer with.
 
 Tolerant: blanks around numbers and identifiers, unknown extension elements and attributes (the schemas'
 ``xs:any ##other``), comments, unmerged or unsorted acknowledgement ranges, and either WS-Addressing
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 import operator
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -65,11 +67,14 @@ from qtp.wsrm.protocol import _ranges as ranges
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_DEPTH = 100
+DEFAULT_MAX_ELEMENTS = 100_000
 
-_PARSER = etree.XMLParser(
-    resolve_entities=False, no_network=True, load_dtd=False, dtd_validation=False, huge_tree=False,
-    collect_ids=False,
-)
+_PARSER_OPTIONS = dict(resolve_entities=False, no_network=True, load_dtd=False, dtd_validation=False,
+                       huge_tree=False, collect_ids=False)
+_PARSER = etree.XMLParser(**_PARSER_OPTIONS)
+_DECLARED_ENCODING = re.compile(rb"encoding\s*=\s*[\"']([A-Za-z0-9._-]*)[\"']")
+# encodings in which '<' is the byte 0x3C and no other character holds that byte
+_ASCII_SAFE = {b"utf-8", b"utf8", b"us-ascii", b"ascii", b"iso-8859-1", b"latin1"}
 _DIGITS = re.compile(r"\+?[0-9]{1,25}")
 _DIGIT_LIST = re.compile(r"(?:\s*\+?[0-9]{1,25}\s*,)*")
 _DURATION = re.compile(
@@ -285,7 +290,8 @@ class _Reader:
         return ns or "", local
 
 
-def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = DEFAULT_MAX_DEPTH) -> Envelope:
+def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = DEFAULT_MAX_DEPTH,
+           max_elements: int = DEFAULT_MAX_ELEMENTS) -> Envelope:
     """Parse one SOAP envelope. Raises InvalidMessage (a WsrmFault with the wire code) for bad input."""
     if not isinstance(data, (bytes, bytearray)):
         raise TypeError(f"decode takes bytes, not {type(data).__name__}")
@@ -296,7 +302,7 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = 
     if type(data) is not bytes:
         data = bytes(data)
     try:
-        root = etree.fromstring(data, _PARSER)
+        root = etree.fromstring(data, _PARSER) if most_elements(data) <= max_elements else _counted(data, max_elements)
     except etree.XMLSyntaxError as exc:
         raise _bad(f"the envelope is not well-formed XML: {exc}") from exc
     docinfo = root.getroottree().docinfo
@@ -312,6 +318,53 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = 
         return _envelope(_Reader(soap), root)
     except ValueError as exc:  # a value the message classes refuse (an Expires of a million years, ...)
         raise _bad(f"invalid value: {exc}") from exc
+
+
+def most_elements(data: bytes) -> int:
+    """At least the number of elements in ``data``, read from its bytes without parsing (a very large
+    number when the bytes cannot tell).
+
+    Every element has one start tag, whose '<' is the byte 0x3C in a document that starts with that byte and
+    is UTF-8 or ASCII (or UTF-16LE / UCS-4LE, whose first bytes libxml2 reads as such, where '<' is a 0x3C
+    byte too); an end tag's '<' is followed by '/'. Each count is one pass at memory speed.
+    """
+    if data[:1] != b"<":
+        return sys.maxsize
+    if data[:5] == b"<?xml":
+        end = data.find(b"?>", 0, 1024)
+        declared = _DECLARED_ENCODING.search(data, 0, end)
+        if end < 0 or (declared is not None and declared.group(1).lower() not in _ASCII_SAFE):
+            return sys.maxsize
+    return data.count(b"<") - data.count(b"</")
+
+
+class _TooMany(Exception):
+    pass
+
+
+class _Counter:
+    """A parser target that counts start tags and stops the parse past ``limit``: it builds no tree."""
+
+    def __init__(self, limit: int):
+        self.limit, self.seen = limit, 0
+
+    def start(self, tag: str, attrib: Any, nsmap: Any = None) -> None:
+        self.seen += 1
+        if self.seen > self.limit:
+            raise _TooMany
+
+    def close(self) -> int:
+        return self.seen
+
+
+def _counted(data: bytes, max_elements: int) -> Any:
+    """``data`` parsed once to count its elements without building anything (refused past ``max_elements``),
+    then into a tree. Only for documents whose bytes could not rule out more than ``max_elements``."""
+    try:
+        etree.fromstring(data, etree.XMLParser(target=_Counter(max_elements), **_PARSER_OPTIONS))
+    except _TooMany:
+        raise _bad(f"the envelope has more than {max_elements} elements") from None
+    return etree.fromstring(data, _PARSER)
 
 
 def _shallow(data: bytes, encoding: str | None, max_depth: int) -> bool:

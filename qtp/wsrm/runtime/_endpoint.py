@@ -1,4 +1,5 @@
-"""The node's HTTP endpoint as a WSGI application (mount it in any WSGI server; ``qtp serve`` uses cheroot).
+"""The node's HTTP endpoint as a WSGI application (mount it in any WSGI server; ``qtp serve`` runs it in
+``qtp.wsrm.runtime._http``).
 
 HTTP rules (SOAP 1.1 and 1.2 HTTP bindings, WS-RM 1.1 section 3):
 
@@ -16,6 +17,10 @@ HTTP rules (SOAP 1.1 and 1.2 HTTP bindings, WS-RM 1.1 section 3):
   node takes no anonymous requests (see ``qtp.wsrm.runtime._security``). The caller's identity goes
   with the envelope to the receiver, which checks it against the sequence's owner.
 
+Memory: an envelope of more than ``[limits] max_elements`` elements is refused while it is parsed, and the
+envelopes parsed at once hold at most twice that many elements between them (a parse waits for room), so
+that concurrent requests full of tiny elements cannot multiply the trees they make.
+
 Input that is not a usable envelope is answered with a fault and never reaches the store. Faults say
 what went wrong, never how: SQL, parameters and stack traces stay in the node's log.
 """
@@ -24,7 +29,9 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+import threading
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -40,6 +47,7 @@ from qtp.wsrm.codec import (
     WsaVersion,
     decode,
     decode_batch,
+    most_elements,
 )
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION
 from qtp.wsrm.runtime._security import (
@@ -85,6 +93,29 @@ class _Request:
         self.caller, self.signature, self.secret = caller, signature, secret
 
 
+class _Room:
+    """A number of units (elements being parsed) shared by threads: ``with room.hold(n):`` waits until ``n``
+    are free and keeps them for the block."""
+
+    def __init__(self, total: int):
+        self.total = self.free = total
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def hold(self, n: int) -> Iterator[None]:
+        n = min(n, self.total)
+        with self._changed:
+            while self.free < n:
+                self._changed.wait()
+            self.free -= n
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.free += n
+                self._changed.notify_all()
+
+
 class Endpoint:
     """``Endpoint(node)`` is the WSGI application of ``node``."""
 
@@ -94,6 +125,7 @@ class Endpoint:
         self.path = (urlsplit(node.endpoint).path if node.endpoint else "") or "/"
         self.anonymous = self.security.anonymous_allowed(node.settings.listen_host())
         self.seen = SeenSignatures(node.limits.max_clock_skew)
+        self._parsing = _Room(2 * node.limits.max_elements)
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         method = environ.get("REQUEST_METHOD", "GET")
@@ -164,8 +196,7 @@ class Endpoint:
         """qtp's batching extension: several standard envelopes in one request (see qtp.wsrm.codec._batch)."""
         limits = self.node.limits
         try:
-            envelopes = [decode(part, max_bytes=limits.max_request_bytes)
-                         for part in decode_batch(data, limits.max_batch)]
+            envelopes = [self._decode(part) for part in decode_batch(data, limits.max_batch)]
         except InvalidMessage as exc:
             log.info("refused a batch: %s", exc)
             return self._respond(_bare_fault(SoapVersion.SOAP12, "Sender", str(exc)), 400)
@@ -173,11 +204,16 @@ class Endpoint:
 
     def _soap(self, soap: SoapVersion, data: bytes, request: _Request) -> tuple[int, list[tuple[str, str]], bytes]:
         try:
-            envelope = decode(data, max_bytes=self.node.limits.max_request_bytes)
+            envelope = self._decode(data)
         except InvalidMessage as exc:
             log.info("refused a request: %s", exc)
             return self._respond(_bare_fault(soap, "Sender", str(exc)), 400 if soap is SoapVersion.SOAP12 else 500)
         return self._answer(envelope, lambda: self.node.receiver.handle(envelope, request.caller))
+
+    def _decode(self, data: bytes) -> Envelope:
+        limits = self.node.limits
+        with self._parsing.hold(min(most_elements(data), limits.max_elements + 1)):
+            return decode(data, max_bytes=limits.max_request_bytes, max_elements=limits.max_elements)
 
     def _answer(self, envelope: Envelope, handle: Callable[[], Any]) -> tuple[int, list[tuple[str, str]], bytes]:
         if not self.node.started:

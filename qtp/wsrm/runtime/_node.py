@@ -36,6 +36,7 @@ from qtp.wsrm.codec import Addressing, Envelope, WsaVersion, anonymous, check_pa
 from qtp.wsrm.codec._names import action as rm_action
 from qtp.wsrm.protocol import RMVersion, SequenceAcknowledgement
 from qtp.wsrm.runtime._endpoint import Endpoint
+from qtp.wsrm.runtime._http import HttpServer
 from qtp.wsrm.runtime._invoker import BatchHandler, Invoker, Message, _Batch
 from qtp.wsrm.runtime._mailbox import Mailbox, Poller, node_address
 from qtp.wsrm.runtime._metrics import Metrics
@@ -316,28 +317,24 @@ class Node:
             self.sender.wake.wait(wait)
 
     def _serve_http(self) -> None:
-        """The endpoint in cheroot (CherryPy's WSGI server): threaded, no fork, TLS (and client certificates)
-        from the standard library's ``ssl``, idle keep-alive connections parked in a selector instead of
-        holding a worker thread. Waitress was used before; it has no TLS."""
+        """The endpoint in qtp's HTTP server (``qtp.wsrm.runtime._http``): connections on an event loop, so
+        that no socket holds a thread, complete requests to ``http_threads`` threads; TLS (and client
+        certificates) from the standard library's ``ssl``, handshakes under their own deadline."""
         assert self.endpoint is not None
         host, port = self.settings.listen or _listen_address(self.endpoint)
         security = self.settings.security
-        limits = self.limits
-        server = _Server((host, port), self.wsgi, numthreads=limits.http_threads, server_name="qtp",
-                             timeout=int(max(1, limits.http_idle_timeout)), request_queue_size=128,
-                             accepted_queue_timeout=limits.http_idle_timeout, shutdown_timeout=2)
-        server.max_request_body_size = limits.max_request_bytes + 1
-        if security.tls_cert:
-            server.ssl_adapter = _tls_adapter(security)
+        tls = _tls_context(security) if security.tls_cert else None
+        refused = self.metrics.refused
+        server = HttpServer(self.wsgi, host, port, self.limits, tls=tls, health=lambda: self.started,
+                            refused=lambda reason: refused.labels(reason=reason).inc())
         if not security.anonymous_allowed(self.settings.listen_host()):
             log.info("node %s takes authenticated requests only (%d peer(s) known)", self.manager.node_id,
                      len(security.peers))
         elif security.allow_anonymous:
             log.warning("node %s takes anonymous requests ([node] allow_anonymous = true): any client that "
                         "reaches %s:%d can create sequences and send messages", self.manager.node_id, host, port)
-        server.prepare()
+        server.start()
         self._server = server
-        self._spawn(server.serve, "qtp-http")
 
     def send_acks_to(self, info: DestinationInfo, request: Envelope, acks: list[SequenceAcknowledgement]) -> None:
         """Acknowledgements for a sequence whose AcksTo is addressable: POST them there."""
@@ -388,40 +385,14 @@ def attach_from_config(manager: Any, config: Any) -> None:
         Node(manager, node_settings(config.messaging, set(config.resources))).start()
 
 
-def _server_class() -> Any:
-    from cheroot import wsgi
-
-    class Server(wsgi.Server):
-        """cheroot hands a new connection to a worker thread at once, which then waits for its first request
-        (up to the idle timeout): a few hundred silent sockets would hold every worker. Here a new connection
-        first waits in the selector, like an idle keep-alive one, and reaches a worker when bytes arrive."""
-
-        def process_conn(self, conn: Any) -> None:
-            if not getattr(conn, "_qtp_waited", False):
-                conn._qtp_waited = True
-                self._connections.put(conn)
-                return
-            super().process_conn(conn)
-
-    return Server
-
-
-def _Server(*args: Any, **kwargs: Any) -> Any:
-    return _server_class()(*args, **kwargs)
-
-
-def _tls_adapter(security: Any) -> Any:
-    from cheroot.ssl.builtin import BuiltinSSLAdapter
-
-    adapter = BuiltinSSLAdapter(security.tls_cert, security.tls_key)
+def _tls_context(security: Any) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(security.tls_cert, security.tls_key)
     if security.tls_client_ca:
         context.load_verify_locations(security.tls_client_ca)
         context.verify_mode = ssl.CERT_OPTIONAL  # a peer may also authenticate by signature
-    adapter.context = context
-    return adapter
+    return context
 
 
 def _listen_address(endpoint: str) -> tuple[str, int]:

@@ -65,7 +65,16 @@ class Limits:
       ``max_gap``: a message number more than this far above the highest number received in order is
       refused before it is stored (a sender within its window never comes near it).
     - ``max_response_bytes``: a peer's answer longer than this is not read (the request counts as failed).
-    - ``http_idle_timeout``: seconds an idle or slow HTTP connection is kept before it is closed.
+    - ``http_idle_timeout``: seconds an HTTP connection may wait before the first byte of its next request.
+    - ``http_request_timeout``: seconds from the first byte of a request to the last byte of its body (head
+      and body together); a request not complete by then is dropped with its connection.
+    - ``http_handshake_timeout``: seconds a new connection's TLS handshake may take.
+    - ``max_connections_per_address``: open HTTP connections (TLS handshakes included) from one client
+      address; more are closed as soon as they are accepted.
+    - ``max_body_memory``: bytes of large request bodies (over 64 KiB) read or being handled at once; a
+      request beyond it waits, unread, until earlier ones are done. At least ``max_request_bytes``.
+    - ``max_elements``: XML elements in one envelope (each parsed element costs about 130 bytes); a larger
+      envelope is refused while it is parsed, and the envelopes parsed at once hold at most twice this many.
     - ``max_clock_skew``: seconds a signed request's timestamp may be off this node's clock; the node
       remembers each signature it took for that long to refuse its replay (82 bytes per signed request:
       5 MB at 1,000 requests/s with the default 60 s), so a wider window costs memory.
@@ -107,6 +116,11 @@ class Limits:
     max_gap: int = 4096
     max_response_bytes: int = 4 * 1024 * 1024
     http_idle_timeout: float = 30.0
+    http_request_timeout: float = 30.0
+    http_handshake_timeout: float = 10.0
+    max_connections_per_address: int = 64
+    max_body_memory: int = 8 * 1024 * 1024
+    max_elements: int = 100_000
     max_clock_skew: float = 60.0
     poll_interval_min: float = 0.05
     poll_interval_max: float = 1.0
@@ -325,5 +339,9 @@ def check(settings: NodeSettings) -> None:
             raise ConfigurationError(f"[channels.{channel.name}] reply = true without [node] endpoint needs "
                                      "wsrm = \"1.1\": the replies are fetched with WS-MakeConnection, which "
                                      "offers the reply sequence at an address only WS-RM 1.1 can name")
+    if limits.max_body_memory < limits.max_request_bytes:
+        raise ConfigurationError(f"[limits] max_body_memory ({limits.max_body_memory}) must be at least "
+                                 f"max_request_bytes ({limits.max_request_bytes}): a request that large could "
+                                 "never be read")
     if not 0 < limits.poll_interval_min <= limits.poll_interval_max:
         raise ConfigurationError("[limits] poll_interval_min must be above 0 and at most poll_interval_max")

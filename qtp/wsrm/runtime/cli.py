@@ -1,16 +1,21 @@
 """``qtp serve`` (run a node) and ``qtp dead-letters list|retry|drop`` (``qtp status`` shows sequences too).
 
 ``qtp serve --config server.toml`` runs the node the file describes: transaction recovery, the stores, the
-sender, the invoker and the HTTP endpoint in cheroot, until SIGTERM or Ctrl-C. The application's handlers
-are registered by the module named with ``--app module:attribute`` (imported first; the attribute is the
-``qtp.Node`` it built), e.g. ``qtp serve --app shop.server:node``.
+sender, the invoker and the HTTP endpoint (``qtp.wsrm.runtime._http``), until SIGTERM or Ctrl-C. The
+application's handlers are registered by the module named with ``--app module:attribute`` (imported first;
+the attribute is the ``qtp.Node`` it built), e.g. ``qtp serve --app shop.server:node``.
 
-Why cheroot (CherryPy's WSGI server): a production WSGI server in pure Python with a thread pool, no fork,
-and TLS with client certificates from the standard library, kept by the CherryPy/jaraco maintainers. A node
-must be one process (its decision log is locked by one transaction manager, and the runtime keeps its
-sequences' machines in memory), which rules out gunicorn's pre-fork workers; waitress, used before, has no
-TLS, and its fixed connection limit let idle sockets lock out peers (cheroot parks idle keep-alive
-connections in a selector, closed after ``[limits] http_idle_timeout``).
+Why qtp's own HTTP server (connections on an asyncio event loop, complete requests to a thread pool running
+the endpoint's WSGI application): a node must be one process (its decision log is locked by one transaction
+manager, and the runtime keeps its sequences' machines in memory), which rules out gunicorn's pre-fork
+workers, and it must keep answering whatever a client does with its sockets. waitress, used first, has no
+TLS, and its fixed connection limit let idle sockets lock out peers. cheroot, used next, ran the TLS
+handshake in its accepting thread (one silent socket stalled every new connection for 30 s) and gave a
+worker thread to any request whose head had begun (24 slow or 110 half-sent requests left /health
+unanswered), with no per-address limit. The standard library's asyncio does TLS handshakes without
+blocking and with a timeout, and lets every deadline be one ``asyncio.timeout``; the HTTP/1.1 it needs
+(``Content-Length`` bodies, keep-alive) is a hundred lines, so no new dependency. ASGI servers (uvicorn,
+hypercorn) would need the endpoint rewritten or wrapped, and bring their own.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from qtp._render import table
 from qtp.config import load_config
 from qtp.coordinator import install
 from qtp.errors import ConfigurationError
+from qtp.wsrm.runtime._http import single_malloc_arena
 from qtp.wsrm.runtime._invoker import REDELIVERY
 from qtp.wsrm.runtime._node import Node
 from qtp.wsrm.runtime._status import stores
@@ -55,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    single_malloc_arena()  # before any thread: see its docstring
     node = _load_app(args.app) if args.app else Node.from_config(args.config or "qtp.toml")
     install(node.manager)
     stop = threading.Event()
