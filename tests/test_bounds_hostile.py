@@ -7,6 +7,8 @@ sending (with replies) through each attack and is reconciled exactly once at the
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import uuid
 
@@ -59,6 +61,23 @@ def _commits(pair: Pair) -> int:
     return value
 
 
+def _queued_in_status(config, routes: set[str]) -> int:
+    """The messages ``qtp status`` shows an operator as QUEUED on ``routes``."""
+    done = subprocess.run([sys.executable, "-m", "qtp", "status", "--json", "--config", str(config)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    found, todo = 0, [json.loads(done.stdout)]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            if item.get("route") in routes and item.get("state") == "QUEUED":
+                found += item["unacknowledged"]
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return found
+
+
 def test_replies_held_for_a_peer_that_never_polls_are_capped_and_expire_visible(hostile):
     """Before: per minute, mallory left 444 offered reply sequences that never end and 8,874 held replies
     (unbounded: each cycle made room for the next by terminating its inbound sequence), and the idle node
@@ -105,15 +124,16 @@ def test_replies_held_for_a_peer_that_never_polls_are_capped_and_expire_visible(
     wait_until(lambda: not [o for o in _mallory_offers(pair) if o["state"] not in ("TERMINATED", "FAILED")], 60,
                "mallory's offered sequences to expire")
     assert _reply_rows(pair, routes) == held  # not deleted: QUEUED on their offer: routes, for an operator
+    assert _queued_in_status(server.config, routes) == held
     _finish(pair, 40, reply=True)
 
 
 def test_create_and_terminate_cycles_leave_no_offered_sequence_and_offers_count_in_the_quota(hostile):
     """Before: 40 create + terminate cycles left 40 offered reply sequences that never end (each waited for a
-    CloseSequenceResponse from a WS-MC address nobody polls), and a peer's offered sequences did not count
-    in its quota (10 of 10 creates with an Offer accepted with max_sequences_per_peer = 10). Now an offered
-    sequence that carried no reply ends with its inbound sequence, and a CreateSequence with an Offer takes
-    two places of the quota."""
+    CloseSequenceResponse from a WS-MC address nobody polls); and with max_sequences_per_peer = 10, 15 of 15
+    cycles of create + one order + terminate were accepted (the inbound sequence freed its place; the offered
+    one, holding the reply, counted nowhere). Now an offered sequence that carried no reply ends with its
+    inbound sequence, and one that outlives it counts in the quota."""
     pair, client, server = hostile(send=30, reply=True, rate=6, limits="max_sequences_per_peer = 10")
     for _ in range(40):
         status, body = _post(_url(server), request(CreateSequence(ANON, offer=_offer())))
@@ -122,9 +142,19 @@ def test_create_and_terminate_cycles_leave_no_offered_sequence_and_offers_count_
         status, body = _post(_url(server), request(TerminateSequence(answer.identifier)))
         assert status == 200, body
     wait_until(lambda: not _mallory_offers(pair), 30, "no offered sequence of mallory left")
-    answers = [_answer(_post(_url(server), request(CreateSequence(ANON, offer=_offer())))[1]).body
-               for _ in range(10)]
+    answers = []
+    for k in range(MALLORY_ORDERS + 1, MALLORY_ORDERS + 16):
+        answer = _answer(_post(_url(server), request(CreateSequence(ANON, offer=_offer())))[1]).body
+        answers.append(answer)
+        if isinstance(answer, CreateSequenceResponse):
+            status, body = _post(_url(server), request(sequence=Sequence(answer.identifier, 1), action=ACTION,
+                                                       payload=f'<order xmlns="urn:test" k="{k}"/>'.encode()))
+            assert status == 200, body
+            _post(_url(server), request(TerminateSequence(answer.identifier, 1)))
+            wait_until(lambda: rows(pair.server_app, f"SELECT COUNT(*) FROM applied WHERE k = {k}")[0][0], 30,
+                       "mallory's order applied")  # (then its reply waits, and its inbound sequence ends)
     created = [a for a in answers if isinstance(a, CreateSequenceResponse)]
-    assert len(created) == 5, answers  # 5 inbound + 5 offered = 10
-    assert all("max_sequences_per_peer" in a.reason for a in answers[5:]), answers
+    assert len(created) == 10, answers
+    assert all("max_sequences_per_peer" in a.reason for a in answers[10:]), answers
+    _forget_mallorys_orders(pair)
     _finish(pair, 30, reply=True)

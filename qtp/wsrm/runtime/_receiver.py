@@ -250,6 +250,15 @@ class Receiver:
             return [i for i, m in self._machines.items()
                     if m.state in (D.ACTIVE, D.CLOSED) and self._infos[i].owner == caller and self._infos[i].channel is None]
 
+    def _owned(self, caller: str | None) -> int:
+        """What counts against ``caller``'s max_sequences_per_peer: its open inbound sequences, and the reply
+        sequences it offered that outlive the inbound sequence that accepted them (waiting for it to
+        acknowledge or poll its replies). An open sequence and its offered one take one place."""
+        inbound = self._owned_open(caller)
+        with self._mutex:
+            accepted = {self._machines[i].record.accepted_offer for i in inbound if i in self._machines}
+        return len(inbound) + len(self.node.sender.offers_of(caller) - accepted)
+
     def _refused_create(self, env: Envelope, reason: str, caller: str | None) -> Answer:
         log.warning("refused a CreateSequence from %s: %s", f"peer {caller}" if caller else "an anonymous peer", reason)
         self.node.metrics.refused.labels(reason="create").inc()
@@ -264,12 +273,10 @@ class Receiver:
         if self.open_sequences() >= limits.max_open_sequences:
             return self._refused_create(env, f"this node has {limits.max_open_sequences} sequences open already",
                                         caller)
+        if self._owned(caller) >= limits.max_sequences_per_peer:
+            return self._refused_create(env, f"this peer has {limits.max_sequences_per_peer} sequences open "
+                                        "here already ([limits] max_sequences_per_peer)", caller)
         offer = body.offer
-        owned = len(self._owned_open(caller)) + self.node.sender.offers_of(caller)  # its offered ones count too
-        if owned + (2 if offer is not None else 1) > limits.max_sequences_per_peer:
-            return self._refused_create(env, f"this peer has {owned} sequences (with the reply sequences it "
-                                        f"offered) open here, of {limits.max_sequences_per_peer} "
-                                        "([limits] max_sequences_per_peer)", caller)
         if offer is not None and self.node.sender.replies_waiting(caller)[0] >= limits.max_replies_per_peer:
             return self._refused_create(env, f"{limits.max_replies_per_peer} replies wait for this peer's "
                                         "acknowledgement already ([limits] max_replies_per_peer)", caller)

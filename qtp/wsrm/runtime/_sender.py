@@ -767,12 +767,12 @@ class Sender:
             elif machine.record.expires_at - now < self.limits.offer_inactivity_timeout / 2:
                 self.event(key, TimerFired(now))
 
-    def offers_of(self, owner: str | None) -> int:
-        """The offered sequences of peer ``owner`` (None: anonymous) that have not ended: its quota counts them."""
+    def offers_of(self, owner: str | None) -> set[str]:
+        """The identifiers of the offered sequences of peer ``owner`` (None: anonymous) that have not ended."""
         with self._mutex:
-            return sum(1 for key, machine in self._machines.items()
-                       if machine.state not in _ENDED and self._infos[key].owner == owner
-                       and self._infos[key].route.startswith("offer:"))
+            return {machine.record.identifier or "" for key, machine in self._machines.items()
+                    if machine.state not in _ENDED and self._infos[key].owner == owner
+                    and self._infos[key].route.startswith("offer:")}
 
     def replies_waiting(self, owner: str | None, offer: str | None = None) -> tuple[int, bool]:
         """Replies sent to peer ``owner`` on its offered sequences and not acknowledged; and whether the

@@ -63,14 +63,15 @@ class Limits:
       what the others need: ``max_sequences_per_peer`` inbound sequences open at once;
       ``max_backlog_per_peer`` of its messages stored and not yet applied (beyond it: 503 before storing);
       ``max_gap``: a message number more than this far above the highest number received in order is
-      refused before it is stored (a sender within its window never comes near it). The reply sequences a
-      peer offered count against ``max_sequences_per_peer`` too, until they end; ``max_replies_per_peer``:
-      replies held for one peer and not yet acknowledged (on its offered sequences); at the cap its new
-      messages get 503 before they are stored, as do those of a sequence whose reply window
-      (``max_unacknowledged``) is full, and a CreateSequence with an Offer is refused.
-      ``offer_inactivity_timeout``: an offered reply sequence whose peer neither acknowledged nor polled
-      anything of it for this long ends; its unacknowledged replies stay in ``qtp_rm_outgoing`` (``qtp
-      status`` shows them as QUEUED on route ``offer:<identifier>``), never deleted.
+      refused before it is stored (a sender within its window never comes near it). A reply sequence a peer
+      offered counts against ``max_sequences_per_peer`` once it outlives the inbound sequence that accepted
+      it, until it ends. ``max_replies_per_peer``: replies sent to one peer on its offered sequences and not
+      yet acknowledged; at the cap its new messages get 503 before they are stored, as do those of a
+      sequence whose reply window (``max_unacknowledged``) is full, and a CreateSequence with an Offer is
+      refused. ``offer_inactivity_timeout``: an offered sequence waiting on its peer (replies
+      unacknowledged, or closing) whose peer neither acknowledged, answered nor polled anything of it for
+      this long ends; its unacknowledged replies stay in ``qtp_rm_outgoing`` (``qtp status`` shows them as
+      QUEUED on route ``offer:<identifier>``), never deleted.
     - ``max_response_bytes``: a peer's answer longer than this is not read (the request counts as failed).
     - ``http_idle_timeout``: seconds an idle or slow HTTP connection is kept before it is closed.
     - Coupled messaging (``qtp.coupled``): ``max_coupled_deadline``: seconds; a coupled send may not ask for
