@@ -19,12 +19,15 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import requests
 import sqlalchemy
 
+from qtp.embedded import free_port
 from qtp.errors import ConfigurationError, TransportError
+from qtp.testing.lossy_proxy import LossyProxy
 from qtp.testing.nodes import (
     NodeProcess,
     Pair,
@@ -38,6 +41,7 @@ from qtp.testing.nodes import (
 )
 from qtp.wsrm.codec import (
     Envelope,
+    MakeConnection,
     SoapFault,
     SoapVersion,
     WsaVersion,
@@ -56,6 +60,7 @@ from qtp.wsrm.protocol import (
     SequenceFault,
     TerminateSequence,
 )
+from qtp.wsrm.runtime._security import HEADER, sign_response
 from qtp.wsrm.runtime._transport import Transport, content_type
 
 SECRET = "honest-pair-secret-0123456789abcdefghij"
@@ -68,17 +73,34 @@ ACTION = "urn:test:apply"
 # ---------------------------------------------------------------------------------------------- set-up
 
 class Trap:
-    """An HTTP server that counts what reaches it: the 'internal service' an attacker aims a node at."""
+    """An HTTP server that counts what reaches it: the 'internal service' an attacker aims a node at, and
+    mallory's own endpoint. ``forge(body)``, when set, gives what mallory answers a request with (an envelope,
+    signed as mallory when the request was signed; None: 202 and nothing)."""
 
     def __init__(self) -> None:
         hits = self.hits = []
+        self.forge: Callable[[bytes], Envelope | None] | None = None
+        trap = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802
                 hits.append(self.path)
-                self.send_response(202)
-                self.send_header("Content-Length", "0")
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                forged = trap.forge(body) if trap.forge is not None else None
+                if forged is None:
+                    self.send_response(202)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                answer = encode(forged)
+                self.send_response(200)
+                self.send_header("Content-Type", content_type(SoapVersion.SOAP12, None))
+                self.send_header("Content-Length", str(len(answer)))
+                if self.headers.get(HEADER):
+                    self.send_header(HEADER, sign_response(MALLORY.encode(), "mallory", self.headers[HEADER], 200,
+                                                           answer))
                 self.end_headers()
+                self.wfile.write(answer)
 
             def log_message(self, *args) -> None:
                 pass
@@ -101,13 +123,14 @@ def trap():
 @pytest.fixture
 def hostile(pg_db, maria_db, trap, run_pair):
     """Factory: hostile(send=N, reply=..., limits=..., rate=...) -> (pair, client, server), both running."""
-    def make(send: int, reply: bool = False, limits: str = "", rate: float = 0.0, acks_to: str = "anonymous"):
+    def make(send: int, reply: bool = False, limits: str = "", rate: float = 0.0, acks_to: str = "anonymous",
+             client_extra: str = "", **options):
         client_app, server_app = pg_db("client"), maria_db("server")
         client_schema(client_app)
         server_schema(server_app)
         mallory = f'\n[peers.mallory]\nendpoint = "{trap.url}"\nsecret = "{MALLORY}"\n'
         pair = Pair(client_app, server_app, reply=reply, limits=limits, secret=SECRET, acks_to=acks_to,
-                    server_extra=mallory, client_extra=mallory)
+                    server_extra=mallory, client_extra=mallory + client_extra, **options)
         client, server = run_pair(pair, send, rate)
         return pair, client, server
 
@@ -382,7 +405,180 @@ def test_refusals_are_counted_in_metrics(hostile):
     _finish(pair, 5)
 
 
+# ---------------------------------------------------------------------------------------------- answers and polls
+#
+# What a node reads from the answer to its own POST, or from the answer to its poll, speaks only for the
+# sequences of the peer it POSTed to (issue 28). Mallory is a peer with an endpoint (``trap``) that answers
+# with whatever ``trap.forge`` says, signed as mallory: the transport believes it is mallory's answer, which
+# it is; what it must not believe is that mallory speaks for the honest peer.
+
+POLLS_MALLORY = "\n[channels.m]\npeer = \"{url}\"\nreply = true\n"  # a client without endpoint polls mallory too
+MALLORYS_ORDERS = 8_000_000  # k of the orders mallory sends itself: not the honest client's, out of the tally
+FORGED_REPLIES = 9_000_000   # k of the replies mallory forges
+
+
+def _offered_to_client(pair: Pair) -> str:
+    """The identifier of the reply sequence the honest client offered (the server's route ``offer:...``)."""
+    routes = [json.loads(info)["route"] for (info,) in rows(pair.server_app, "SELECT info FROM qtp_rm_source")]
+    return next(r[len("offer:"):] for r in routes if r.startswith("offer:"))
+
+
+def _replies_waiting(pair: Pair, offered: str, up_to: int | None = None) -> int:
+    """Replies waiting at the server for the client (numbered ``up_to`` or below, when given)."""
+    where = "" if up_to is None else f" AND number <= {up_to}"
+    return rows(pair.server_app, f"SELECT COUNT(*) FROM qtp_rm_outgoing WHERE route = 'offer:{offered}'{where}")[0][0]
+
+
+def _reply_route_state(pair: Pair, offered: str) -> str | None:
+    """The state of the server's reply sequence to the client (None: ended and dropped)."""
+    found = [json.loads(record)["state"] for info, record in rows(pair.server_app, "SELECT info, record FROM "
+                                                                                   "qtp_rm_source")
+             if json.loads(info)["route"] == f"offer:{offered}"]
+    return found[0] if found else None
+
+
+def _reply_sequence(pair: Pair) -> str:
+    """The identifier of the client's inbound reply sequence (it offered it), as the client stored it."""
+    def find() -> str | None:
+        found = rows(pair.client_app, "SELECT identifier, info FROM qtp_rm_destination")
+        return next((i for i, info in found if json.loads(info).get("channel")), None)
+
+    wait_until(find, 60, "the client's reply sequence")
+    return find()
+
+
+def _make_the_server_post_to_mallory(server: NodeProcess, trap: Trap) -> None:
+    """Mallory opens a sequence offering its own endpoint for the replies and sends one order: the server
+    POSTs the reply to mallory, and reads mallory's answer."""
+    offer = Offer(f"urn:uuid:{uuid.uuid4()}", endpoint=trap.url)
+    status, body = _post(_url(server), request(CreateSequence(ANON, offer=offer)))
+    identifier = _answer(body).body.identifier
+    order = f"<order xmlns='urn:test' k='{MALLORYS_ORDERS + 1}'/>".encode()
+    status, body = _post(_url(server), request(sequence=Sequence(identifier, 1), payload=order, action=ACTION))
+    assert status in (200, 202), body
+    wait_until(lambda: trap.hits, 30, "the server's reply POSTed to mallory")
+
+
+def _forget_mallorys_orders(pair: Pair) -> None:
+    engine = sqlalchemy.create_engine(pair.server_app, poolclass=sqlalchemy.pool.NullPool)
+    with engine.begin() as conn:
+        conn.execute(sqlalchemy.text(f"DELETE FROM applied WHERE k >= {MALLORYS_ORDERS}"))
+    engine.dispose()
+
+
+@pytest.mark.parametrize("forged", ["acknowledgement", "fault"])
+def test_an_answer_speaks_only_for_the_answering_peers_sequences(hostile, trap, forged):
+    """The server POSTs mallory the reply on a sequence mallory offered; mallory's signed answer names the
+    honest client's reply sequence: an acknowledgement of every reply waiting for the client (which the server
+    cannot reach for now), or an UnknownSequence fault. Before: 32 of 32 waiting replies deleted, never
+    delivered; the fault ended the reply sequence, which cannot be created again: its 31 waiting replies
+    were stuck for good."""
+    back = free_port()  # the server reaches the client here: nothing listens until the attack is over
+    pair, client, server = hostile(send=40, reply=True, rate=10, back_proxy_port=back)
+    wait_until(lambda: _applied(pair) >= 30, 60, "30 orders applied")
+    offered = _offered_to_client(pair)
+
+    def highest() -> int:  # the highest reply number sent (and not acknowledged: the client is out of reach)
+        return rows(pair.server_app, f"SELECT MAX(number) FROM qtp_rm_outgoing WHERE route = 'offer:{offered}'")[0][0] or 0
+
+    wait_until(lambda: highest() >= 30, 30, "30 replies sent")
+    top = highest()
+    if forged == "acknowledgement":
+        forgery = request(acks=(SequenceAcknowledgement(offered, ((1, top),)),))
+    else:
+        forgery = request(SequenceFault(FaultCode.UNKNOWN_SEQUENCE, offered, "no such sequence"))
+    trap.forge = lambda body: forgery
+    waiting = _replies_waiting(pair, offered, up_to=top)
+    _make_the_server_post_to_mallory(server, trap)
+    time.sleep(2.0)  # the server's ticks would have applied what the answers said
+    assert (_replies_waiting(pair, offered, up_to=top), _reply_route_state(pair, offered)) == (waiting, "ACTIVE")
+    to_client = LossyProxy(f"http://127.0.0.1:{pair.client_port}", port=back, seed=1).start()
+    try:
+        _forget_mallorys_orders(pair)
+        _finish(pair, 40, reply=True)
+    finally:
+        to_client.stop()
+
+
+def test_a_polling_client_takes_from_a_poll_only_the_polled_peers_sequences(hostile, trap):
+    """A client without an endpoint polls the server for its replies, and mallory (it has a reply channel to
+    mallory too). Mallory answers the polls with replies on the client's reply sequence from the server,
+    numbered 1 to 45. Before: the client took them as the server's (43 to 45 of the 45 forged replies
+    stored) and then dropped the genuine ones with those numbers as duplicates."""
+    pair, client, server = hostile(send=40, reply=True, rate=4, client_listens=False,
+                                   client_extra=POLLS_MALLORY.format(url=trap.url), limits="poll_interval_max = 0.5")
+    reply_sequence = _reply_sequence(pair)
+    numbers = list(range(1, 46))
+
+    def forge(body: bytes) -> Envelope | None:
+        if b"MakeConnection" not in body or not numbers:
+            return None
+        n = numbers.pop(0)
+        reply = f'<done xmlns="urn:test" k="{FORGED_REPLIES + n}"/>'.encode()
+        return request(sequence=Sequence(reply_sequence, n), payload=reply, action=ACTION, message_pending=bool(numbers))
+
+    trap.forge = forge
+    wait_until(lambda: not numbers, 60, "mallory's 45 forged replies given to the client's polls")
+    time.sleep(1.0)
+    assert rows(pair.client_app, f"SELECT COUNT(*) FROM replies WHERE k >= {FORGED_REPLIES}")[0][0] == 0
+    _finish(pair, 40, reply=True)
+
+
+def test_an_acknowledgement_in_a_poll_counts_only_from_the_polled_peer(hostile, trap):
+    """``acks_to = "poll"``: the client fetches the acknowledgements of its orders with its polls. With the
+    server down, mallory answers the client's poll with a duplicate reply on the client's reply sequence, an
+    acknowledgement of every waiting order riding along. Before: the orders were deleted (21 of 21 committed
+    orders never applied)."""
+    pair, client, server = hostile(send=40, reply=True, rate=8, acks_to="poll", client_listens=False,
+                                   client_extra=POLLS_MALLORY.format(url=trap.url), limits="poll_interval_max = 0.5")
+    wait_until(lambda: rows(pair.client_app, "SELECT COUNT(*) FROM replies")[0][0] >= 3, 60, "the first replies")
+    identifier, reply_sequence = _client_sequence(pair), _reply_sequence(pair)
+    server.kill()
+    wait_until(lambda: rows(pair.client_app, "SELECT COUNT(*) FROM qtp_rm_outgoing WHERE number IS NOT NULL")[0][0]
+               >= 20, 30, "20 orders waiting at the client")
+    top = rows(pair.client_app, "SELECT MAX(number) FROM qtp_rm_outgoing")[0][0]
+
+    def waiting() -> int:
+        return rows(pair.client_app, f"SELECT COUNT(*) FROM qtp_rm_outgoing WHERE number <= {top}")[0][0]
+
+    before = waiting()
+    carrier = request(sequence=Sequence(reply_sequence, 1), payload=b'<done xmlns="urn:test" k="1"/>', action=ACTION,
+                      acks=(SequenceAcknowledgement(identifier, ((1, top),)),))
+    given: list[int] = []
+
+    def forge(body: bytes) -> Envelope | None:
+        if b"MakeConnection" not in body or given:
+            return None
+        given.append(1)
+        return carrier
+
+    trap.forge = forge
+    wait_until(lambda: given, 30, "mallory's answer to a poll")
+    time.sleep(2.0)  # the client's tick would have applied the acknowledgement
+    assert waiting() == before
+    server.start()
+    _finish(pair, 40, reply=True)
+
+
 # ---------------------------------------------------------------------------------------------- in-process
+
+def test_who_owns_a_sequence_is_decided_by_name_or_else_by_exact_address():
+    """The rule ``Ownership`` applies to every part that names a sequence: a configured peer is its name;
+    an answer from an address no peer is configured for speaks only for the sequences at that address, so
+    one unconfigured peer cannot acknowledge another's; anonymous requests cannot be told apart."""
+    from qtp.wsrm.runtime._ownership import Owner, Source
+
+    a, b = "http://127.0.0.1:9001/rm", "http://127.0.0.1:9002/rm"
+    assert Owner(None, a).admits(Source(None, a))
+    assert not Owner(None, a).admits(Source(None, b))
+    assert not Owner(None, a).admits(Source("mallory", a))
+    assert not Owner("server", a).admits(Source("mallory", a))
+    assert Owner("server", a).admits(Source("server", b))  # a peer may answer at any of its addresses
+    assert Owner(None, a).admits(Source(None))  # anonymous requests share one identity
+    assert not Owner(None, None).admits(Source(None, a))  # a sequence an anonymous request created
+    assert not Owner("server", a, by_request=False).admits(Source("server"))  # asked for answers only
+    assert Owner("server", a, by_request=False).admits(Source("server", a))
+
 
 def test_a_huge_or_redirecting_answer_is_not_read():
     """Attack 4f: a peer answering with hundreds of MB; and a redirect to an internal address."""

@@ -11,6 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import requests
 import sqlalchemy as sa
@@ -143,6 +144,9 @@ http_timeout = 5
 {channels}'''
 
 
+_NODE_IDS: dict[int, str] = {}  # port -> the [node] id of the NodeProcess listening there
+
+
 class NodeProcess:
     """``qtp serve --app qtp.testing.e2e_app:node`` (or another ``app``) for one config; ``start``, ``kill``
     (SIGKILL), ``stop``."""
@@ -157,6 +161,8 @@ class NodeProcess:
         text = config.read_text()
         listen = next((line for line in text.splitlines() if line.startswith("listen")), None)
         self.port = None if listen is None else int(listen.rsplit(":", 1)[1].strip('"'))  # None: no endpoint
+        if self.port is not None:  # post_as signs for the node listening there
+            _NODE_IDS[self.port] = next(line for line in text.splitlines() if line.startswith("id =")).split('"')[1]
         self.scheme = "https" if "\ntls_cert" in text else "http"
 
     def start(self, timeout: float = 60.0) -> "NodeProcess":
@@ -251,14 +257,19 @@ def request(body: object = None, *, to: str = "http://x/rm", message_id: str | N
     return envelope
 
 
-def post_as(url: str, message: Envelope | bytes, peer: str | None, secret: str) -> requests.Response:
-    """POST a SOAP 1.2 request (an envelope, or bytes as they are) signed as ``peer`` with ``secret``, or
-    anonymously (``peer`` None)."""
+def post_as(url: str, message: Envelope | bytes, peer: str | None, secret: str, to: str | None = None,
+            **options: object) -> requests.Response:
+    """POST a SOAP 1.2 request (an envelope, or bytes as they are) signed as ``peer`` with ``secret`` for the
+    node ``to`` (by default the NodeProcess listening at ``url``), or anonymously (``peer`` None); ``options``
+    go to ``requests.post`` (``verify``, ``cert``)."""
     body = message if isinstance(message, bytes) else encode(message)
     headers = {"Content-Type": content_type(SoapVersion.SOAP12, None)}
     if peer is not None:
-        headers[HEADER] = sign_request(secret.encode(), peer, "POST", "/rm", body)
-    return requests.post(url, data=body, headers=headers, timeout=10)
+        receiver = to or _NODE_IDS.get(urlsplit(url).port or 0)
+        if receiver is None:
+            raise ValueError(f"post_as: no NodeProcess listens at {url}; give to=<its [node] id>")
+        headers[HEADER] = sign_request(secret.encode(), peer, receiver, "POST", "/rm", body)
+    return requests.post(url, data=body, headers=headers, timeout=10, **options)  # type: ignore[arg-type]
 
 
 def counter(url: str, name: str) -> float | None:

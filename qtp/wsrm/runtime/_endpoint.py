@@ -9,10 +9,11 @@ HTTP rules (SOAP 1.1 and 1.2 HTTP bindings, WS-RM 1.1 section 3):
   addressable AcksTo), and a SOAP fault with ``500`` (SOAP 1.1; SOAP 1.2 Receiver) or ``400`` (SOAP 1.2
   Sender), or ``503`` when the node cannot take the message now (it stored nothing; the sender retries).
 - ``GET /metrics``: Prometheus metrics (with ``[node] metrics_token``, only for ``Authorization: Bearer
-  TOKEN``); ``GET /health``: ``ok`` once the node has started. Exactly these paths; SOAP is taken at the
-  endpoint's own path only (404 elsewhere).
-- ``401`` for a request whose signature or client certificate does not hold, or that proves nothing when
-  the node takes no anonymous requests (see ``qtp.wsrm.runtime._security``). The caller's identity goes
+  TOKEN``; a node listening beyond loopback does not start without it); ``GET /health``: ``ok`` once the
+  node has started. Exactly these paths; SOAP is taken at the endpoint's own path only (404 elsewhere).
+- ``401`` for a request whose signature or client certificate does not hold (a malformed signature header,
+  one for another node, one taken before, a peer's credential missing), or that proves nothing when the
+  node takes no anonymous requests (see ``qtp.wsrm.runtime._security``). The caller's identity goes
   with the envelope to the receiver, which checks it against the sequence's owner.
 
 Input that is not a usable envelope is answered with a fault and never reaches the store. Faults say
@@ -45,7 +46,9 @@ from qtp.wsrm.runtime._security import (
     HEADER,
     WSGI_HEADER,
     AuthenticationError,
+    SeenSignatures,
     certificate_peer,
+    identify,
     sign_response,
     verify_request,
 )
@@ -90,6 +93,7 @@ class Endpoint:
         self.security = node.settings.security
         self.path = (urlsplit(node.endpoint).path if node.endpoint else "") or "/"
         self.anonymous = self.security.anonymous_allowed(node.settings.listen_host())
+        self.seen = SeenSignatures(node.limits.max_clock_skew)
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         method = environ.get("REQUEST_METHOD", "GET")
@@ -134,14 +138,15 @@ class Endpoint:
 
     def _authenticate(self, environ: dict[str, Any], path: str, data: bytes) -> _Request:
         header = environ.get(WSGI_HEADER)
+        signed = None
         if header:
-            peer = verify_request(self.security, header, "POST", path, data)
-            return _Request(peer.name, header, peer.secret)
-        peer = certificate_peer(self.security, environ)
-        if peer is not None:
-            return _Request(peer.name)
-        if environ.get("SSL_CLIENT_VERIFY") == "SUCCESS":
+            signed = verify_request(self.security, header, "POST", path, data, self.node.manager.node_id, self.seen)
+        certified = certificate_peer(self.security, environ)
+        if certified is None and signed is None and environ.get("SSL_CLIENT_VERIFY") == "SUCCESS":
             raise AuthenticationError("the client certificate names no peer of this node")
+        peer = identify(signed, certified)
+        if peer is not None:
+            return _Request(peer.name, header if signed else None, peer.secret if signed else None)
         if not self.anonymous:
             raise AuthenticationError("the request is not signed and this node takes no anonymous requests")
         return _Request(None)

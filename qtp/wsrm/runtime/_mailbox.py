@@ -16,9 +16,11 @@ Entries belong to the peer that created the sequence: a poll from another peer f
 URI (``mc_anonymous("urn:qtp:node:<node id>")``, the same after a restart), names it as AcksTo on channels
 with ``acks_to = "poll"``, and polls each peer of those channels: at once while MessagePending says more
 wait, backing off to ``poll_interval_max`` while idle. A polled message goes through the receiver as if the
-peer had POSTed it (a CreateSequence is ignored: a peer we poll cannot open sequences here); the
-acknowledgement it produces rides on the next poll, sent at once, and any other answer (a
-TerminateSequenceResponse, a fault) is POSTed to the peer.
+peer had POSTed it (a CreateSequence is ignored: a peer we poll cannot open sequences here), from the peer
+we polled: what it says of another peer's sequences is refused like a request that does (``Ownership``),
+so a peer cannot answer a poll with messages or acknowledgements "from" another. The acknowledgement it
+produces rides on the next poll, sent at once, and any other answer (a TerminateSequenceResponse, a fault)
+is POSTed to the peer.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from qtp.wsrm.codec import (
     mc_id,
 )
 from qtp.wsrm.protocol import CreateSequence, RMVersion, SequenceAcknowledgement
+from qtp.wsrm.runtime._ownership import Source
 from qtp.wsrm.runtime._receiver import Answer
 from qtp.wsrm.runtime._transport import wire
 
@@ -249,7 +252,7 @@ class Poller:
         if isinstance(message.body, CreateSequence):  # a peer we poll cannot open sequences here
             log.warning("%s answered a poll with a CreateSequence; ignored", peer)
             return False, False
-        answer = node.receiver.handle(message, self._caller(peer, message))
+        answer = node.receiver.handle(message, Source.answer(node.settings.security, peer))
         back = answer.envelope
         if back is not None and back.body is None and back.sequence is None and not back.ack_requests:
             self._keep(peer, back.acks)  # on the next poll
@@ -259,17 +262,6 @@ class Poller:
             except TransportError as exc:
                 log.debug("answer to a polled message not delivered to %s: %s", peer, exc)
         return True, bool(message.message_pending)
-
-    def _caller(self, peer: str, message: Envelope) -> str | None:
-        """Who sent ``message``: the answer comes from the peer we polled (its response is verified by the
-        transport), which is the owner recorded with the offered sequence it is about; for anything else, the
-        peer configured for that URL."""
-        identifier = _about(message)
-        info = self.node.receiver.info(identifier) if identifier else None
-        if info is not None and info.channel is not None:
-            return info.owner
-        found = self.node.settings.security.peer_for_url(peer)
-        return None if found is None else found.name
 
     def has_acks(self, peer: str) -> bool:
         with self._mutex:

@@ -39,6 +39,7 @@ from qtp.wsrm.runtime._endpoint import Endpoint
 from qtp.wsrm.runtime._invoker import BatchHandler, Invoker, Message, _Batch
 from qtp.wsrm.runtime._mailbox import Mailbox, Poller, node_address
 from qtp.wsrm.runtime._metrics import Metrics
+from qtp.wsrm.runtime._ownership import Ownership
 from qtp.wsrm.runtime._receiver import Receiver, new_message_id
 from qtp.wsrm.runtime._sender import Sender
 from qtp.wsrm.runtime._settings import (
@@ -75,6 +76,7 @@ class Node:
         self.handlers: dict[str, Handler] = {}
         self.reply_handlers: dict[str, Handler] = {}
         self.receiver = Receiver(self)
+        self.ownership = Ownership(self)
         self.invoker = Invoker(self)
         self.sender = Sender(self)
         self.metrics = Metrics(manager.node_id, self.receiver.open_sequences, self.invoker.backlog,
@@ -261,6 +263,8 @@ class Node:
     def start(self) -> "Node":
         if self.started:
             return self
+        if self.endpoint is not None:
+            self.settings.security.require_metrics_token(self.settings.listen_host())
         for store in self.distinct_stores():
             store.create()
         self.receiver.load()

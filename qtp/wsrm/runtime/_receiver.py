@@ -73,6 +73,7 @@ from qtp.wsrm.protocol import (
     unknown_sequence,
 )
 from qtp.wsrm.protocol import _ranges as ranges
+from qtp.wsrm.runtime._ownership import Source
 from qtp.wsrm.runtime._security import is_loopback
 from qtp.wsrm.store import DestinationInfo, Incoming, SourceInfo
 
@@ -164,43 +165,40 @@ class Receiver:
 
     # ------------------------------------------------------------------ requests
 
-    def handle(self, env: Envelope, caller: str | None = None) -> Answer:
-        """One request from ``caller`` (the authenticated peer's name; None: anonymous)."""
+    def handle(self, env: Envelope, caller: "Source | str | None" = None) -> Answer:
+        """One request from ``caller``: the authenticated peer's name (None: anonymous), or the ``Source`` of a
+        message we fetched (the answer to our poll). Only what it may say of its own sequences is taken
+        (``Ownership``); a request that says nothing else is refused."""
         now = time.time()
-        if env.acks:
-            foreign = self._take_acks(env.acks, caller)
-            if foreign and env.body is None and env.sequence is None and not env.ack_requests:
-                return self._refuse(env, caller, foreign)
+        source = Source.of(caller)
+        about = self.node.ownership.sort(source, env)
+        if about.acks:
+            self.node.sender.on_acks(about.acks)
+        if not about.sequence or not about.body or \
+                about.refused and env.body is None and env.sequence is None and not about.ack_requests:
+            return self._refuse(env)
+        caller = source.peer
         body = env.body
         if isinstance(body, MakeConnection):  # a peer that cannot listen fetches what we hold for it
             return self.node.mailbox.answer(env, body, caller)
         if isinstance(body, CreateSequence):
             return self._create(env, body, now, caller)
         if env.sequence is not None:
-            if self._foreign(env.sequence.identifier, caller):
-                return self._refuse(env, caller, env.sequence.identifier)
             return self._message(env, now, caller)
-        if isinstance(body, (CloseSequence, TerminateSequence)) and self._foreign(body.identifier, caller):
-            return self._refuse(env, caller, body.identifier)
         if isinstance(body, CloseSequence):
             return self._event(env, body.identifier, CloseReceived(now, body.last_msg_number))
         if isinstance(body, TerminateSequence):
             return self._event(env, body.identifier, TerminateReceived(now, body.last_msg_number))
         if isinstance(body, SequenceFault):
-            return self._fault_received(env, body, now, caller)
+            return self._fault_received(env, body, now)
         if isinstance(body, SoapFault):
             log.info("a peer sent a fault: %s", body.reason)
             return Answer(None, 202)
-        if env.ack_requests:
-            mine = [r for r in env.ack_requests if not self._foreign(r.identifier, caller)]
-            if not mine:
-                return self._refuse(env, caller, env.ack_requests[0].identifier)
-            acks = [self._event(env, r.identifier, AckRequestedReceived(now)) for r in mine]
+        if about.ack_requests:
+            acks = [self._event(env, r.identifier, AckRequestedReceived(now)) for r in about.ack_requests]
             return acks[0]
         if isinstance(body, (CreateSequenceResponse, CloseSequenceResponse, TerminateSequenceResponse)):
-            if not self.node.sender.accepts_from(body.identifier, caller):
-                return self._refuse(env, caller, body.identifier)
-            self.node.sender.on_answer(env)
+            self.node.sender.on_body(body)
             return Answer(None, 202)
         if env.acks:
             return Answer(None, 202)
@@ -210,27 +208,10 @@ class Receiver:
 
     def _foreign(self, identifier: str, caller: str | None) -> bool:
         """``identifier`` is one of our inbound sequences and ``caller`` is not the peer that owns it."""
-        info = self._infos.get(identifier)
-        return info is not None and info.owner != caller
+        return not self.node.ownership.admits(Source(caller), identifier)
 
-    def _take_acks(self, acks: tuple[SequenceAcknowledgement, ...], caller: str | None) -> str | None:
-        """Pass on the acknowledgements ``caller`` may give (for outbound sequences it is the peer of, when
-        they are acknowledged by request at all); the identifier of the first refused one, if any."""
-        mine = tuple(a for a in acks if self.node.sender.accepts_from(a.identifier, caller))
-        if mine:
-            self.node.sender.on_acks(mine)
-        refused = [a.identifier for a in acks if a not in mine]
-        for identifier in refused:
-            self._note_refused(caller, identifier, "acknowledgement")
-        return refused[0] if refused else None
-
-    def _note_refused(self, caller: str | None, identifier: str, what: str) -> None:
-        log.warning("refused a %s for sequence %s from %s: it is not that sequence's peer", what, identifier,
-                    f"peer {caller}" if caller else "an anonymous peer")
-        self.node.metrics.refused.labels(reason="not_owner").inc()
-
-    def _refuse(self, env: Envelope, caller: str | None, identifier: str) -> Answer:
-        self._note_refused(caller, identifier, type(env.body).__name__ if env.body is not None else "request")
+    def _refuse(self, env: Envelope) -> Answer:
+        """The answer to a request that named another peer's sequence (logged and counted by ``Ownership``)."""
         return self.fault(env, SoapFault("Sender", None, "this sequence belongs to another peer"), 403)
 
     def _may_name(self, caller: str | None, address: str) -> bool:
@@ -322,10 +303,11 @@ class Receiver:
         for env in envelopes:
             if env.sequence is None or env.body is not None and not isinstance(env.body, SoapFault):
                 return self.fault(env, SoapFault("Sender", None, "a qtp batch carries sequence messages only"), 400)
-            if self._foreign(env.sequence.identifier, caller):
-                return self._refuse(env, caller, env.sequence.identifier)
-            if env.acks:
-                self._take_acks(env.acks, caller)
+            about = self.node.ownership.sort(Source.of(caller), env)
+            if not about.sequence:
+                return self._refuse(env)
+            if about.acks:
+                self.node.sender.on_acks(about.acks)
             groups.setdefault(env.sequence.identifier, []).append(env)
         answers = [self._messages(group, now, caller) for group in groups.values()]
         failed = next((a for a in answers if a.status >= 300), None)
@@ -535,15 +517,15 @@ class Receiver:
                 self.node.invoker.completed(identifier, probe.record.received)
         return self._answer(env, identifier, actions)
 
-    def _fault_received(self, env: Envelope, fault: SequenceFault, now: float, caller: str | None = None) -> Answer:
+    def _fault_received(self, env: Envelope, fault: SequenceFault, now: float) -> Answer:
+        """A SequenceFault from the peer of the sequence it names (``handle`` checked that): for one of our
+        inbound sequences, or else for our outbound ones."""
         if fault.identifier is not None and fault.identifier in self._locks:
-            if self._foreign(fault.identifier, caller):
-                return self._refuse(env, caller, fault.identifier)
             self._event(env, fault.identifier, FaultReceived(fault.code, now))
-        elif fault.identifier is not None and self.node.sender.accepts_from(fault.identifier, caller):
-            self.node.sender.on_answer(env)
+        elif fault.identifier is not None:
+            self.node.sender.on_body(fault)
         else:
-            self._note_refused(caller, fault.identifier or "(none)", "SequenceFault")
+            log.info("a peer sent a SequenceFault that names no sequence: %s", fault.reason)
         return Answer(None, 202)
 
     def _protocol_error(self, env: Envelope, identifier: str, exc: ProtocolError) -> Answer:

@@ -109,6 +109,7 @@ from qtp.wsrm.protocol import (
     Transmit,
 )
 from qtp.wsrm.protocol import _ranges as ranges
+from qtp.wsrm.runtime._ownership import Source
 from qtp.wsrm.runtime._settings import channel_name
 from qtp.wsrm.runtime._transport import TransportError, wire
 from qtp.wsrm.store import Outgoing, SourceInfo, Store
@@ -661,15 +662,22 @@ class Sender:
         except InvalidMessage as exc:
             log.warning("unreadable answer (HTTP %d) from %s: %s", reply.status, info.peer, exc)
             return False
-        self.on_answer(answer, key)
+        self.on_answer(answer, key, Source.answer(self.node.settings.security, info.peer))
         return reply.status < 300
 
-    def on_answer(self, answer: Envelope, key: str | None = None) -> None:
-        """Whatever a peer said to our RM Sources: acknowledgements, responses, faults."""
+    def on_answer(self, answer: Envelope, key: str, source: Source) -> None:
+        """The answer to our POST for sequence ``key``: what ``source`` (whoever we POSTed to) may say of its
+        own sequences is taken; what it says of another peer's is not (``Ownership``)."""
+        about = self.node.ownership.sort(source, answer, key)
+        if about.acks:
+            self.on_acks(about.acks)
+        if about.body:
+            self.on_body(answer.body, key)
+
+    def on_body(self, body: Any, key: str | None = None) -> None:
+        """A response or fault for our RM Sources, from the peer it is about (the caller checked that):
+        ``key``, the sequence whose answer it is (None: it came in a request)."""
         now = time.time()
-        if answer.acks:
-            self.on_acks(answer.acks)
-        body = answer.body
         if isinstance(body, CreateSequenceResponse) and key is not None:
             self.event(key, CreateSequenceResponded(body, now))
         elif isinstance(body, CloseSequenceResponse):
@@ -725,22 +733,13 @@ class Sender:
         """An outbound sequence (or an offered route) of ours has this identifier."""
         return f"offer:{identifier}" in self._offer_routes or self.key_of(identifier) is not None
 
-    def accepts_from(self, identifier: str, caller: str | None) -> bool:
-        """May ``caller`` (a peer's name; None: anonymous) acknowledge, close or fault our outbound sequence
-        ``identifier`` *in a request*? Only the sequence's own peer may, and only when the sequence asked for
-        acknowledgements by request (an addressable or WS-MC AcksTo, or an offered sequence); acknowledgements of a
-        sequence with anonymous AcksTo come only on the responses to our own requests (``_exchange``)."""
-        key = self.key_of(identifier)
-        info = self._infos.get(key) if key is not None else None
-        if info is None:
-            return False
-        if info.route.startswith("offer:"):
-            return info.owner == caller
-        channel = self.node.channels.get(channel_name(info.route))
-        if channel is None or channel.acks_to not in ("endpoint", "poll"):
-            return False
-        peer = self.node.settings.security.peer_for_url(channel.peer)
-        return caller == (None if peer is None else peer.name)
+    def info(self, key: str) -> SourceInfo | None:
+        """Where our RM Source sequence ``key`` goes, and whose it is (None: forgotten)."""
+        return self._infos.get(key)
+
+    def identifier_of(self, key: str) -> str | None:
+        machine = self._machines.get(key)
+        return None if machine is None else machine.record.identifier
 
     def end_offer(self, identifier: str) -> None:
         """The inbound sequence that accepted offer ``identifier`` is over and applied: the offered sequence

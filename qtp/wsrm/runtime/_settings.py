@@ -74,6 +74,9 @@ class Limits:
       QUEUED on route ``offer:<identifier>``), never deleted.
     - ``max_response_bytes``: a peer's answer longer than this is not read (the request counts as failed).
     - ``http_idle_timeout``: seconds an idle or slow HTTP connection is kept before it is closed.
+    - ``max_clock_skew``: seconds a signed request's timestamp may be off this node's clock; the node
+      remembers each signature it took for that long to refuse its replay (82 bytes per signed request:
+      5 MB at 1,000 requests/s with the default 60 s), so a wider window costs memory.
     - Coupled messaging (``qtp.coupled``): ``max_coupled_deadline``: seconds; a coupled send may not ask for
       more (``within=``), and a recipient treats an original's deadline as at most this far from its
       arrival; ``max_prepared_per_peer``: a shared recipient holds at most this many subordinate
@@ -114,6 +117,7 @@ class Limits:
     offer_inactivity_timeout: float = 24 * 3600.0
     max_response_bytes: int = 4 * 1024 * 1024
     http_idle_timeout: float = 30.0
+    max_clock_skew: float = 60.0
     poll_interval_min: float = 0.05
     poll_interval_max: float = 1.0
     max_coupled_deadline: float = 300.0

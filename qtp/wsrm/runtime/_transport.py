@@ -110,24 +110,26 @@ class Transport:
 
     def _post(self, url: str, body: bytes, headers: dict[str, str]) -> Reply:
         peer = self.security.peer_for_url(url)
-        signed = peer is not None and peer.secret is not None
-        if signed:
-            assert peer is not None and peer.secret is not None
-            headers[HEADER] = sign_request(peer.secret, self.name, "POST", urlsplit(url).path, body)
+        signer = peer if peer is not None and peer.secret is not None else None
         try:
-            response = self._retrying(self._send, url, body, headers)
+            status, answer_headers, data, signature = self._retrying(self._send, url, body, headers, signer)
         except requests.RequestException as exc:
             raise TransportError(f"POST {url} failed: {type(exc).__name__}: {exc}") from exc
-        status, answer_headers, data = response
-        if signed and data.strip():
-            assert peer is not None
+        if signer is not None and data.strip():
             try:
-                verify_response(peer, answer_headers.get(HEADER, ""), headers[HEADER], status, data)
+                verify_response(signer, answer_headers.get(HEADER, ""), signature, status, data)
             except AuthenticationError as exc:
                 raise TransportError(f"POST {url}: {exc} (HTTP {status}); the answer is ignored") from None
         return Reply(status, answer_headers.get("Content-Type", ""), data)
 
-    def _send(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, Any, bytes]:
+    def _send(self, url: str, body: bytes, headers: dict[str, str],
+              signer: Peer | None) -> tuple[int, Any, bytes, str]:
+        """One attempt, signed anew for ``signer`` (the peer takes a signature once: an attempt whose answer
+        was lost after the peer read it must not be refused as its replay); the answer and the signature."""
+        signature = ""
+        if signer is not None:
+            signature = sign_request(signer.secret or b"", self.name, signer.name, "POST", urlsplit(url).path, body)
+            headers = {**headers, HEADER: signature}
         with self.session.post(url, data=body, headers=headers, timeout=self.timeout, allow_redirects=False,
                                stream=True) as response:
             if 300 <= response.status_code < 400:
@@ -143,7 +145,7 @@ class Transport:
                 if len(data) > self.max_response_bytes:
                     raise requests.RequestException(f"the answer is over [limits] max_response_bytes "
                                                     f"({self.max_response_bytes}); not read further")
-            return response.status_code, response.headers, bytes(data)
+            return response.status_code, response.headers, bytes(data), signature
 
     def close(self) -> None:
         self.session.close()
