@@ -175,6 +175,9 @@ class Sender:
                     self._current[info.route] = record.key
                 if info.route.startswith("offer:"):
                     self._offer_routes[info.route] = info
+                    if record.expires_at is not None:  # its peer could not reach us while we were down
+                        fresh = max(record.expires_at, time.time() + self.limits.offer_inactivity_timeout)
+                        self._machines[record.key] = SourceSequence(replace(record, expires_at=fresh))
         if self._machines:
             log.info("resumed %d outbound sequence(s)", len(self._machines))
 
@@ -784,7 +787,8 @@ class Sender:
                 info = self._infos[key]
                 if info.owner == owner and info.route.startswith("offer:"):
                     waiting += len(machine.record.pending)
-                    full = full or (info.route == route and len(machine.record.pending) >= self.limits.max_unacknowledged)
+                    if info.route == route:
+                        full = len(machine.record.pending) >= self.limits.max_unacknowledged
         return waiting, full
 
     def _end_offers(self, now: float) -> None:
