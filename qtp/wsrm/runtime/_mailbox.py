@@ -98,6 +98,20 @@ class Mailbox:
                 held.given_at = known.given_at
             box[slot] = held
 
+    def holds(self, owner: str | None, client: str, key: str) -> set[int]:
+        """The numbers of our sequence ``key`` held for ``client`` of peer ``owner``: the sender need not
+        hold them again (they are given again by themselves until acknowledged)."""
+        with self._mutex:
+            box = self._boxes.get((owner, client), {})
+            return {slot[2] for slot in box if slot[0] == "message" and slot[1] == key}
+
+    def forget(self, key: str) -> None:
+        """Our sequence ``key`` ended: what is held of it goes (its unacknowledged messages stay in the store)."""
+        with self._mutex:
+            for box in self._boxes.values():
+                for slot in [slot for slot, held in box.items() if held.key == key]:
+                    del box[slot]
+
     # ------------------------------------------------------------------ polls
 
     def answer(self, env: Envelope, poll: MakeConnection, caller: str | None) -> Answer:
@@ -144,6 +158,8 @@ class Mailbox:
             ready.sort(key=lambda r: (order[r[0][0]], r[1].key or "", r[1].number or 0))
             slot, held, box = ready[0]
             envelope = held.envelope
+            if held.key is not None:
+                self.node.sender.polled(held.key)
             if slot[0] == "message":  # the acknowledgements waiting for this client ride along
                 held.given_at = now
                 acks = [(s, h, b) for s, h, b in ready if s[0] == "ack" and b is box]

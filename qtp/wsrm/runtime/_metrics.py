@@ -104,7 +104,7 @@ class Metrics:
                                    labelnames=["node", "channel"], buckets=BATCH_BUCKETS, registry=self.registry)
         refused = Counter("qtp_requests_refused", "Requests or parts refused: reason = unauthenticated, not_owner "
                           "(another peer's sequence), create (CreateSequence refused), unknown_action, gap, "
-                          "peer_backlog", labelnames=["node", "reason"], registry=self.registry)
+                          "peer_backlog, peer_replies", labelnames=["node", "reason"], registry=self.registry)
         self.refused = _Bound(refused, node_id)
         polls = Counter("qtp_polls", "WS-MakeConnection polls: sent (by a node without an endpoint); answered "
                         "with a message, empty or fault (by a serving node)", labelnames=["node", "result"],

@@ -231,6 +231,15 @@ class Receiver:
             return [i for i, m in self._machines.items()
                     if m.state in (D.ACTIVE, D.CLOSED) and self._infos[i].owner == caller and self._infos[i].channel is None]
 
+    def _owned(self, caller: str | None) -> int:
+        """What counts against ``caller``'s max_sequences_per_peer: its open inbound sequences, and the reply
+        sequences it offered that outlive the inbound sequence that accepted them (waiting for it to
+        acknowledge or poll its replies). An open sequence and its offered one take one place."""
+        inbound = self._owned_open(caller)
+        with self._mutex:
+            accepted = {self._machines[i].record.accepted_offer for i in inbound if i in self._machines}
+        return len(inbound) + len(self.node.sender.offers_of(caller) - accepted)
+
     def _refused_create(self, env: Envelope, reason: str, caller: str | None) -> Answer:
         log.warning("refused a CreateSequence from %s: %s", f"peer {caller}" if caller else "an anonymous peer", reason)
         self.node.metrics.refused.labels(reason="create").inc()
@@ -245,10 +254,13 @@ class Receiver:
         if self.open_sequences() >= limits.max_open_sequences:
             return self._refused_create(env, f"this node has {limits.max_open_sequences} sequences open already",
                                         caller)
-        if len(self._owned_open(caller)) >= limits.max_sequences_per_peer:
+        if self._owned(caller) >= limits.max_sequences_per_peer:
             return self._refused_create(env, f"this peer has {limits.max_sequences_per_peer} sequences open "
                                         "here already ([limits] max_sequences_per_peer)", caller)
         offer = body.offer
+        if offer is not None and self.node.sender.replies_waiting(caller)[0] >= limits.max_replies_per_peer:
+            return self._refused_create(env, f"{limits.max_replies_per_peer} replies wait for this peer's "
+                                        "acknowledgement already ([limits] max_replies_per_peer)", caller)
         addresses = [("AcksTo", _address(body.acks_to)), ("ReplyTo", _address(env.addressing.reply_to)),
                      ("Offer Endpoint", _address(offer.endpoint) if offer is not None else None)]
         for what, address in addresses:
@@ -368,11 +380,27 @@ class Receiver:
                 return self.fault(too_far, SoapFault("Sender", None, f"message number {too_far.sequence.number} is "  # type: ignore[union-attr]
                                                      f"more than {limits.max_gap} above the last in order ({in_order})"))
             fresh = sum(1 for e in envs if not _ranges_contain(machine.record.received, e.sequence.number))  # type: ignore[union-attr]
-            if fresh and self.node.invoker.backlog_of(set(self._owned_all(caller))) + fresh > limits.max_backlog_per_peer:
+            backlog = self.node.invoker.backlog_of(set(self._owned_all(caller))) if fresh else 0
+            if fresh and backlog + fresh > limits.max_backlog_per_peer:
                 self.node.metrics.refused.labels(reason="peer_backlog").inc()
                 return self.fault(envs[0], SoapFault("Receiver", None, "this peer's backlog of unapplied messages "
                                                      "is full; retry later"), 503)
+            if fresh and machine.record.accepted_offer is not None and info is not None and info.channel is None:
+                return self._admit_replies(envs[0], caller, machine.record.accepted_offer, backlog + fresh)
         return None
+
+    def _admit_replies(self, env: Envelope, caller: str | None, offer: str, coming: int) -> Answer | None:
+        """Messages whose replies go to ``caller``'s offered sequence ``offer``: refused (503, before they are
+        stored, so that the peer sends them again later) while the replies waiting for the peer's
+        acknowledgement and the ``coming`` ones (its unapplied messages) would pass ``max_replies_per_peer``,
+        or while that sequence's window is full (further replies would pile up in the store unnumbered)."""
+        waiting, full = self.node.sender.replies_waiting(caller, offer)
+        limit = self.node.limits.max_replies_per_peer
+        if waiting + coming <= limit and not full:
+            return None
+        self.node.metrics.refused.labels(reason="peer_replies").inc()  # (not logged: a peer may retry at any rate)
+        return self.fault(env, SoapFault("Receiver", None, "too many replies wait for this peer's "
+                                         "acknowledgement; acknowledge (or poll for) them, then retry"), 503)
 
     def _owned_all(self, caller: str | None) -> list[str]:
         with self._mutex:

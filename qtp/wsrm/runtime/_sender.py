@@ -24,6 +24,20 @@ the measured round-trip time of first transmissions (RFC 6298, Karn's rule).
 Routes: a channel's name (sequences created by this node, ``CreateSequence`` with an ``Offer`` when the
 channel is request-reply) or ``offer:<identifier>`` for a sequence a peer offered us for our replies
 (born ACTIVE when we accepted the offer; it cannot be re-created, so when it ends its unsent replies wait).
+
+Offered routes are bounded, for a peer that offers and then never listens, polls nor acknowledges. While
+one waits on its peer (replies unacknowledged, or closing) it carries an expiry (``expires_at``)
+``offer_inactivity_timeout`` ahead, pushed forward whenever the peer acknowledges, answers, or polls
+something of it; at the expiry the machine ends the sequence and its unacknowledged replies go back to the
+route, where ``qtp status`` shows them (QUEUED) and nothing sends them: an operator sees them, nothing
+deletes them. An offered sequence on which no reply was ever numbered ends at once with its inbound
+sequence (there is nothing to close). The receiver counts a peer's offered sequences and their
+unacknowledged replies against its quotas (``offers_of``, ``replies_waiting``).
+
+Held replies cost an idle node nothing. For a WS-MC peer the mailbox is the retransmitter (it gives a held
+message again until acknowledged), so the timers do not build and hold again what it holds, and back off
+without the usual cap; an event that changes nothing the store keeps (a retransmission's due times) is not
+written; and routes are asked for new messages when a commit enqueued some (``wake``), not every tick.
 """
 
 from __future__ import annotations
@@ -110,6 +124,8 @@ _SOAP = {v.value: v for v in SoapVersion}  # a dict look-up: Enum(value) is slow
 _WSA = {v.value: v for v in WsaVersion}
 _LIVE = (S.NEW, S.CREATING, S.ACTIVE)
 _ENDED = (S.TERMINATED, S.FAILED)
+_HEARD = (AckReceived, CloseResponded, TerminateResponded, FaultReceived)  # the peer is there
+FILL_INTERVAL_S = 5.0  # with no wake-up call, routes are looked at for new messages this often (a safety net)
 
 
 def create_message_id(key: str) -> str:
@@ -138,7 +154,9 @@ class Sender:
         self._cache: dict[str, dict[int, Outgoing]] = {}  # numbered, unacknowledged messages per sequence
         self._rtt: dict[str, _RoundTrip] = {}
         self._ending: set[str] = set()  # offered routes to end once their replies are numbered
-        self.wake = threading.Event()
+        self._polled: set[str] = set()  # offered sequences a poll took something of since their last event
+        self.wake = _Wake()
+        self._filled = (-1, 0.0)  # the wake-up calls counted at the last look for new messages, and its time
 
     # ------------------------------------------------------------------ start-up
 
@@ -157,6 +175,9 @@ class Sender:
                     self._current[info.route] = record.key
                 if info.route.startswith("offer:"):
                     self._offer_routes[info.route] = info
+                    if record.expires_at is not None:  # its peer could not reach us while we were down
+                        fresh = max(record.expires_at, time.time() + self.limits.offer_inactivity_timeout)
+                        self._machines[record.key] = SourceSequence(replace(record, expires_at=fresh))
         if self._machines:
             log.info("resumed %d outbound sequence(s)", len(self._machines))
 
@@ -172,9 +193,11 @@ class Sender:
         the caller calls ``adopt_offer`` after that session committed. ``batch``: the qtp peer takes
         batches of up to that many messages (its CreateSequence said so)."""
         route = f"offer:{identifier}"
+        # A WS-MC peer's mailbox gives what it holds again by itself: the timers need only hold it again after
+        # a restart (and control messages, given once), so they back off without the usual cap.
+        backoff = self.limits.offer_inactivity_timeout if mc_id(peer) else self.limits.retransmit_interval_max
         record = SourceRecord(key=uuid.uuid4().hex, version=rm, state=S.ACTIVE, identifier=identifier,
-                              retransmit_interval=self.limits.retransmit_interval,
-                              max_interval=self.limits.retransmit_interval_max,
+                              retransmit_interval=self.limits.retransmit_interval, max_interval=backoff,
                               peer_batch=min(batch, self.limits.max_batch) if batch else 1)
         store.create_source(s, SourceInfo(route, peer, soap, wsa, owner=owner), record)
         return record
@@ -195,16 +218,17 @@ class Sender:
         except (QtpError, SQLAlchemyError) as exc:  # the store is down: the peer acknowledges again later
             log.warning("acknowledgements not applied now: %s", exc)
         with self._fill_lock:
-            for route in [*self.node.routes(), *self._offer_routes]:
-                try:
-                    self._fill(route, now)
-                except (QtpError, SQLAlchemyError) as exc:
-                    log.warning("route %s: cannot take new messages now: %s", route, exc)
+            calls = self.wake.calls
+            if calls != self._filled[0] or now - self._filled[1] >= FILL_INTERVAL_S:
+                self._filled = (calls, now)  # (a call made while filling makes the next tick fill again)
+                self._fill_all(now)
             if self._ending:
                 try:
                     self._end_offers(now)
                 except (QtpError, SQLAlchemyError) as exc:
                     log.warning("offered sequences not ended now: %s", exc)
+        if self._polled:
+            self._keep_polled(now)
         due: list[float] = []
         for key in list(self._machines):
             machine = self._machines.get(key)
@@ -223,6 +247,17 @@ class Sender:
             if at is not None:
                 due.append(at)
         return min(due) if due else None
+
+    def _fill_all(self, now: float) -> None:
+        """Number what waits on every route. Every commit that enqueues a message calls ``wake``, so a tick
+        after none (a timer's) does not ask the store about each route (it did, five times a second per
+        route: an idle node's busiest work, with hundreds of offered routes); ``FILL_INTERVAL_S`` is the
+        safety net (a transaction committed by recovery, which calls nothing)."""
+        for route in [*self.node.routes(), *self._offer_routes]:
+            try:
+                self._fill(route, now)
+            except (QtpError, SQLAlchemyError) as exc:
+                log.warning("route %s: cannot take new messages now: %s", route, exc)
 
     def _fill(self, route: str, now: float) -> None:
         key = self._sequence_for(route, now)
@@ -273,8 +308,9 @@ class Sender:
 
     # ------------------------------------------------------------------ events
 
-    def event(self, key: str, *events: Any, messages: list[Outgoing] | None = None) -> None:
-        """Apply ``events`` to sequence ``key``: save the outcome durably, then carry out the actions."""
+    def event(self, key: str, *events: Any, messages: list[Outgoing] | None = None, expire: bool = False) -> None:
+        """Apply ``events`` to sequence ``key``: save the outcome durably, then carry out the actions.
+        ``expire``: the sequence's expiry is now (with a TimerFired: it ends, whatever is pending lost)."""
         lock = self._locks.get(key)
         if lock is None:
             return
@@ -284,30 +320,28 @@ class Sender:
             machine = self._machines.get(key)
             if machine is None:
                 return
-            probe = SourceSequence(replace(machine.record, retransmit_interval=self._timeout(key)))
+            info = self._infos[key]
+            offered = info.route.startswith("offer:")
+            record = replace(machine.record, retransmit_interval=self._timeout(key))
+            if offered:
+                record = self._offer_expiry(key, record, events)
+            if expire:
+                record = replace(record, expires_at=min(e.now for e in events))
+            probe = SourceSequence(record)
             actions: list[Any] = []
             try:
                 for event in events:
                     actions.extend(probe.handle(event))
             except ProtocolError as exc:
                 log.error("outbound sequence %s: %s", machine.record.identifier or key, exc)
-            info = self._infos[key]
+            if offered and probe.record.state is S.ACTIVE and not probe.record.pending:
+                probe = SourceSequence(replace(probe.record, expires_at=None))  # waits on nobody
             store = self.node.store_for_route(info.route)
             ended = probe.record.state in _ENDED
-            self._stale.add(key)  # until the commit is known to have happened: its outcome may be unknown
-            with store.local() as s:
-                if messages:
-                    numbers = [a.number for a in actions if isinstance(a, MessageNumbered)]
-                    store.assign(s, key, [(m.seq, n) for m, n in zip(messages, numbers)])
-                for a in actions:
-                    if isinstance(a, MessagesAcknowledged):
-                        store.acknowledged(s, key, a.ranges)
-                    elif isinstance(a, MessagesLost):
-                        self._requeue(store, s, key, a.ranges)
-                if ended and not probe.record.pending:
-                    store.drop_source(s, key)
-                else:
-                    store.save_source(s, info, probe.record)
+            if messages or ended or _kept(probe.record) != _kept(machine.record) or \
+                    any(isinstance(a, (MessagesAcknowledged, MessagesLost)) for a in actions):
+                self._save(store, key, info, probe.record, actions, messages)
+            # (else only due times moved, a retransmission: the store has everything it keeps already)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("sequence %s saved: next %d, acked %s, pending %d, events %s", key,
                           probe.record.next_number, probe.record.acked, len(probe.record.pending),
@@ -317,6 +351,36 @@ class Sender:
             if ended:
                 self._forget(key, info)
         self._carry_out(key, info, actions, messages or [])
+
+    def _offer_expiry(self, key: str, record: SourceRecord, events: tuple[Any, ...]) -> SourceRecord:
+        """An offered sequence that waits on its peer (replies unacknowledged, or closing) expires when the
+        peer is silent for ``offer_inactivity_timeout``: from the first such event, pushed forward whenever
+        it acknowledges, answers or polls. One with nothing to wait for has no expiry (it ends with its
+        inbound sequence, which has its own inactivity timeout)."""
+        heard = key in self._polled or any(isinstance(e, _HEARD) for e in events)
+        self._polled.discard(key)
+        if heard or record.expires_at is None:
+            return replace(record, expires_at=time.time() + self.limits.offer_inactivity_timeout)
+        return record
+
+    def _save(self, store: Store, key: str, info: SourceInfo, record: SourceRecord, actions: list[Any],
+              messages: list[Outgoing] | None) -> None:
+        """One local transaction: the numbers given to ``messages``, what ``actions`` acknowledged or lost, and
+        ``record`` (or, ended with nothing pending, the sequence dropped)."""
+        self._stale.add(key)  # until the commit is known to have happened: its outcome may be unknown
+        with store.local() as s:
+            if messages:
+                numbers = [a.number for a in actions if isinstance(a, MessageNumbered)]
+                store.assign(s, key, [(m.seq, n) for m, n in zip(messages, numbers)])
+            for a in actions:
+                if isinstance(a, MessagesAcknowledged):
+                    store.acknowledged(s, key, a.ranges)
+                elif isinstance(a, MessagesLost):
+                    self._requeue(store, s, key, a.ranges)
+            if record.state in _ENDED and not record.pending:
+                store.drop_source(s, key)
+            else:
+                store.save_source(s, info, record)
 
     def _reload(self, key: str) -> None:
         """A store transaction of ``key`` failed with its outcome unknown (the connection broke during COMMIT,
@@ -335,7 +399,11 @@ class Sender:
         """The sequence ended without these being acknowledged: they go back to their route, to be sent
         again in a new sequence (at least once; the destination cannot recognise them across sequences)."""
         count = store.release(s, key, lost)
-        if count:
+        route = self._infos[key].route
+        if count and route.startswith("offer:"):
+            log.warning("offered sequence %s ended with %d repl(ies) unacknowledged; they stay queued on route %s "
+                        "(qtp status), undelivered: an offered sequence cannot be created again", key, count, route)
+        elif count:
             log.warning("sequence %s ended with %d message(s) unacknowledged; they are sent again in a new "
                         "sequence, before any message enqueued after them", key, count)
 
@@ -351,6 +419,9 @@ class Sender:
             del self._current[info.route]
         if info.route.startswith("offer:"):  # an offered sequence cannot be created again
             self._offer_routes.pop(info.route, None)
+            self._polled.discard(key)
+        if mc_id(info.peer) is not None:
+            self.node.mailbox.forget(key)
         self.wake.set()
 
     def _carry_out(self, key: str, info: SourceInfo, actions: list[Any], messages: list[Outgoing]) -> None:
@@ -416,6 +487,12 @@ class Sender:
         A timer's retransmission (it asks for an acknowledgement) of a message whose first request left
         less than a timeout ago is dropped: the machine's timer runs from the numbering, and a message may
         wait in the pump behind others (one message per request to a peer without batching)."""
+        client = mc_id(info.peer)
+        if client is not None:  # the mailbox gives what it holds again by itself, until it is acknowledged
+            held = self.node.mailbox.holds(info.owner, client, key)
+            transmits = [t for t in transmits if t.number not in held]
+            if not transmits:
+                return
         now, timeout = time.monotonic(), self._timeout(key)
         with self._mutex:
             pump = self._pumps.setdefault(key, _Pump())
@@ -676,6 +753,44 @@ class Sender:
                 self._ending.add(route)
             self.wake.set()
 
+    def polled(self, key: str) -> None:
+        """A poll of the peer took a message of our sequence ``key``: if it is an offered one, it lives on."""
+        info = self._infos.get(key)
+        if info is not None and info.route.startswith("offer:"):
+            self._polled.add(key)
+
+    def _keep_polled(self, now: float) -> None:
+        """Push forward the expiry of offered sequences polled since their last event, once half of their
+        ``offer_inactivity_timeout`` has passed (one write per half timeout, not one per poll)."""
+        for key in list(self._polled):
+            machine = self._machines.get(key)
+            if machine is None or machine.record.expires_at is None:  # (nothing waits on the peer)
+                self._polled.discard(key)
+            elif machine.record.expires_at - now < self.limits.offer_inactivity_timeout / 2:
+                self.event(key, TimerFired(now))
+
+    def offers_of(self, owner: str | None) -> set[str]:
+        """The identifiers of the offered sequences of peer ``owner`` (None: anonymous) that have not ended."""
+        with self._mutex:
+            return {machine.record.identifier or "" for key, machine in self._machines.items()
+                    if machine.state not in _ENDED and self._infos[key].owner == owner
+                    and self._infos[key].route.startswith("offer:")}
+
+    def replies_waiting(self, owner: str | None, offer: str | None = None) -> tuple[int, bool]:
+        """Replies sent to peer ``owner`` on its offered sequences and not acknowledged; and whether the
+        window (``max_unacknowledged``) of offered sequence ``offer`` is full, so that further replies would
+        wait unnumbered in the store."""
+        route = f"offer:{offer}"
+        waiting, full = 0, False
+        with self._mutex:
+            for key, machine in self._machines.items():
+                info = self._infos[key]
+                if info.owner == owner and info.route.startswith("offer:"):
+                    waiting += len(machine.record.pending)
+                    if info.route == route:
+                        full = len(machine.record.pending) >= self.limits.max_unacknowledged
+        return waiting, full
+
     def _end_offers(self, now: float) -> None:
         with self._mutex:
             ending = list(self._ending)
@@ -689,7 +804,12 @@ class Sender:
             with store.local() as s:
                 if store.unnumbered(s, route, 1):
                     continue  # replies still to number: the next tick
-            self.event(key, CompleteRequested(now))
+            machine = self._machines.get(key)
+            if machine is not None and machine.record.next_number == 1 and machine.state in _LIVE:
+                log.info("offered sequence %s carried no reply: ended with its inbound sequence", key)
+                self.event(key, TimerFired(now), expire=True)  # nothing to close or to tell the peer
+            else:
+                self.event(key, CompleteRequested(now))
             with self._mutex:
                 self._ending.discard(route)
 
@@ -727,6 +847,12 @@ class Sender:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _kept(record: SourceRecord) -> SourceRecord:
+    """What the store keeps of ``record``: not its pending numbers' due times (rebuilt from the stored
+    messages at start) nor its retransmission timeout (measured again)."""
+    return replace(record, pending=(), retransmit_interval=0.0)
+
+
 def _merge(a: SequenceAcknowledgement, b: SequenceAcknowledgement) -> SequenceAcknowledgement:
     """Two acknowledgements of one sequence as one: the union of their ranges (Nacks and None carry no
     ranges; a Final one stays final)."""
@@ -739,6 +865,18 @@ def _merge(a: SequenceAcknowledgement, b: SequenceAcknowledgement) -> SequenceAc
 def _channel(route: str) -> str:
     """The channel a route belongs to, for metrics (every offered reply sequence counts as ``offer``)."""
     return "offer" if route.startswith("offer:") else channel_name(route)
+
+
+class _Wake(threading.Event):
+    """The sender's wake-up call (a message was enqueued, an acknowledgement came), counting the calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def set(self) -> None:
+        self.calls += 1
+        super().set()
 
 
 class _Pump:

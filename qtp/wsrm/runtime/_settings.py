@@ -63,7 +63,15 @@ class Limits:
       what the others need: ``max_sequences_per_peer`` inbound sequences open at once;
       ``max_backlog_per_peer`` of its messages stored and not yet applied (beyond it: 503 before storing);
       ``max_gap``: a message number more than this far above the highest number received in order is
-      refused before it is stored (a sender within its window never comes near it).
+      refused before it is stored (a sender within its window never comes near it). A reply sequence a peer
+      offered counts against ``max_sequences_per_peer`` once it outlives the inbound sequence that accepted
+      it, until it ends. ``max_replies_per_peer``: replies sent to one peer on its offered sequences and not
+      yet acknowledged; at the cap its new messages get 503 before they are stored, as do those of a
+      sequence whose reply window (``max_unacknowledged``) is full, and a CreateSequence with an Offer is
+      refused. ``offer_inactivity_timeout``: an offered sequence waiting on its peer (replies
+      unacknowledged, or closing) whose peer neither acknowledged, answered nor polled anything of it for
+      this long ends; its unacknowledged replies stay in ``qtp_rm_outgoing`` (``qtp status`` shows them as
+      QUEUED on route ``offer:<identifier>``), never deleted.
     - ``max_response_bytes``: a peer's answer longer than this is not read (the request counts as failed).
     - ``http_idle_timeout``: seconds an HTTP connection may wait before the first byte of its next request.
     - ``http_request_timeout``: seconds from the first byte of a request to the last byte of its body (head
@@ -114,6 +122,8 @@ class Limits:
     max_sequences_per_peer: int = 100
     max_backlog_per_peer: int = 20_000
     max_gap: int = 4096
+    max_replies_per_peer: int = 10_000
+    offer_inactivity_timeout: float = 24 * 3600.0
     max_response_bytes: int = 4 * 1024 * 1024
     http_idle_timeout: float = 30.0
     http_request_timeout: float = 30.0
