@@ -1,4 +1,5 @@
-"""The hand-written baselines' server side (benchmarks/e2e_throughput.py variants s and c), in cheroot (the server qtp nodes use).
+"""The hand-written baselines' server side (benchmarks/e2e_throughput.py variants s and c), in cheroot
+(a production WSGI server with a thread pool, what such a user would pick; qtp nodes ran in it until issue 28).
 
 What a user writes without qtp. ``POST /`` (serial baseline, c): one message per request (id and enqueue
 time in headers); one local transaction inserts the id into an ``inbox`` table (its primary key makes a
