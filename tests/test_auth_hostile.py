@@ -10,6 +10,7 @@ test process: it replays what a recording proxy between the nodes saw, or sends 
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 import requests
@@ -29,7 +30,7 @@ from qtp.testing.nodes import (
     wait_until,
 )
 from qtp.wsrm.codec import MakeConnection, SoapVersion, WsaVersion, anonymous, decode, encode
-from qtp.wsrm.protocol import CreateSequence, SequenceAcknowledgement
+from qtp.wsrm.protocol import CreateSequence, Offer, SequenceAcknowledgement
 from qtp.wsrm.runtime._mailbox import node_address
 from qtp.wsrm.runtime._transport import content_type
 
@@ -232,6 +233,34 @@ def test_a_malformed_signature_header_is_401_not_500(recorded):
         assert b"Traceback" not in answer.content
     assert set(statuses.values()) == {401}, statuses
     _finish(pair, 10)
+
+
+BAD_ADDRESSES = ["http://127.0.0.1:27803:27899/rm", "http://127.0.0.1:99999/rm", "http://127.0.0.1:-1/rm",
+                 "http://127.0.0.1:abc/rm", "http://[::1/rm", "http://127.0.0.1:\uff12\uff17\uff18\uff10\uff13/rm"]
+
+
+def test_a_malformed_address_is_refused_not_500(recorded, tmp_path):
+    """An authenticated peer names an address that does not parse (two ports, a port out of range or not a
+    number, an unclosed IPv6 literal, full-width digits) as AcksTo, ReplyTo, Offer Endpoint or MakeConnection
+    Address, at the server and at the client: each was an HTTP 500 "internal error; retry later" and a
+    ValueError traceback in the node's log (urlsplit().port raised in the address check). Now a Sender
+    fault (400), and the pair goes on."""
+    pair, client, server, _ = recorded(send=20, reply=True, rate=4)
+    client_id, server_id = node_id("client", tmp_path), node_id("server", tmp_path)
+    statuses: dict[int, list[str]] = {}
+    for bad in BAD_ADDRESSES:
+        messages = {"AcksTo": request(CreateSequence(bad)),
+                    "ReplyTo": request(CreateSequence(ANON), reply_to=bad),
+                    "Offer Endpoint": request(CreateSequence(ANON, offer=Offer(f"urn:uuid:{uuid.uuid4()}", bad))),
+                    "MakeConnection": request(MakeConnection(bad))}
+        for what, message in messages.items():
+            for node, sender in ((server, client_id), (client, server_id)):
+                answer = post_as(_url(node), message, sender, SECRET)
+                statuses.setdefault(answer.status_code, []).append(f"{what} {bad!r} at {node.log.stem}")
+    assert set(statuses) == {400}, {status: (len(cases), cases[:3]) for status, cases in statuses.items()}
+    for node in (server, client):
+        assert "Traceback" not in node.log.read_text(), node.log
+    _finish(pair, 20, reply=True)
 
 
 # ---------------------------------------------------------------------------------------------- both credentials

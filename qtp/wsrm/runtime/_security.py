@@ -118,8 +118,9 @@ class Security:
         if self.anonymous_addresses:
             return any(_same_url(address, a) or address.startswith(a.rstrip("*")) and a.endswith("*")
                        for a in self.anonymous_addresses)
-        host = urlsplit(address).hostname
-        return host is not None and is_loopback(host) and (listen_host is None or is_loopback(listen_host))
+        key = _url_key(address)
+        host = key[1] if key is not None else ""
+        return bool(host) and is_loopback(host) and (listen_host is None or is_loopback(listen_host))
 
 
 def is_loopback(host: str) -> bool:
@@ -131,12 +132,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _url_key(url: str) -> tuple[str, str, int, str] | None:
+    """Scheme, host, port and path of ``url``, what makes two spellings the same address (None: it does not
+    parse, e.g. two ports, a port out of range or not in ASCII digits, an unclosed IPv6 literal)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    return parts.scheme, (parts.hostname or "").lower(), port, parts.path.rstrip("/")
+
+
 def _same_url(a: str, b: str) -> bool:
-    pa, pb = urlsplit(a), urlsplit(b)
-    port_a = pa.port or (443 if pa.scheme == "https" else 80)
-    port_b = pb.port or (443 if pb.scheme == "https" else 80)
-    return (pa.scheme, (pa.hostname or "").lower(), port_a, pa.path.rstrip("/")) == \
-        (pb.scheme, (pb.hostname or "").lower(), port_b, pb.path.rstrip("/"))
+    """Whether ``a`` and ``b`` are the same address; an address that does not parse is the same as none."""
+    key = _url_key(a)
+    return key is not None and key == _url_key(b)
 
 
 # ---------------------------------------------------------------------------------------------- signatures
