@@ -10,6 +10,7 @@ test process: it replays what a recording proxy between the nodes saw, or sends 
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 import requests
@@ -29,7 +30,7 @@ from qtp.testing.nodes import (
     wait_until,
 )
 from qtp.wsrm.codec import MakeConnection, SoapVersion, WsaVersion, anonymous, decode, encode
-from qtp.wsrm.protocol import CreateSequence, SequenceAcknowledgement
+from qtp.wsrm.protocol import CreateSequence, Offer, SequenceAcknowledgement
 from qtp.wsrm.runtime._mailbox import node_address
 from qtp.wsrm.runtime._transport import content_type
 
@@ -126,7 +127,7 @@ def test_a_request_for_one_node_is_refused_by_another(recorded, maria_db, tmp_pa
     replayed to the second, was accepted there (200, a sequence created in the client's name): the MAC did not
     name the node it was for. And replayed to the first server itself, as were its orders: taken again (200),
     also after the server restarted. Now the MAC names the receiving node and each signature is taken once,
-    by a node that started before it was made: all 401."""
+    by the node it was for in its current start (its boot): all 401."""
     pair, client, server, recorder = recorded(send=20, rate=5)
     wait_until(lambda: _applied(pair) >= 3, 90, "the first orders applied")
     other_app = maria_db("other")
@@ -150,23 +151,50 @@ def test_a_request_for_one_node_is_refused_by_another(recorded, maria_db, tmp_pa
         assert rows(other_app, "SELECT COUNT(*) FROM qtp_rm_destination")[0][0] == 0
     finally:
         other.kill()
-    server.kill()  # what it remembered is gone with it: signatures older than its new start are refused
+    server.kill()  # what it remembered is gone with it: signatures naming its former boot are refused
     server.start()
     assert _replay(_url(server), order).status_code == 401
     _finish(pair, 20)
 
 
+def test_a_request_signed_ahead_is_refused_after_a_restart(recorded, tmp_path):
+    """A client whose clock runs 50 s ahead (within max_clock_skew) signs a MakeConnection; an eavesdropper
+    keeps it and replays it after the server restarted. The server then refused only signatures dated
+    before its start, so the replay was taken (HTTP 200 with one of the client's replies in the issue's
+    attack). Now every signed request names the receiver's current start (its boot), which is drawn anew
+    at each start: the replay names the old one, 401. The honest client goes on through the restart."""
+    pair, client, server, _ = recorded(send=40, reply=True, client_listens=False, rate=2)
+    wait_until(lambda: _replies(pair) >= 3, 90, "the first replies")
+    client_id = node_id("client", tmp_path)
+    poll = encode(request(MakeConnection(node_address(client_id)), to=_url(server)))
+    first = post_as(_url(server), poll, client_id, SECRET, now=time.time() + 50)
+    assert first.status_code in (200, 202), first.status_code
+    captured = first.request  # what the eavesdropper saw: body and headers, the signature included
+    health = f"http://127.0.0.1:{server.port}/health"
+    boot_before = requests.get(health, timeout=10).headers.get("X-Qtp-Boot")
+    server.kill()
+    server.start()
+    answer = requests.post(_url(server), data=captured.body, headers=dict(captured.headers), timeout=10)
+    given = answer.status_code == 200 and decode(answer.content).sequence is not None
+    assert answer.status_code == 401, f"the replay after the restart: HTTP {answer.status_code}, reply given: {given}"
+    boot_after = requests.get(health, timeout=10).headers.get("X-Qtp-Boot")
+    assert answer.headers.get("X-Qtp-Boot") == boot_after != boot_before, (boot_before, boot_after)
+    _finish(pair, 40, reply=True)
+
+
 def test_a_retried_attempt_is_signed_anew():
     """The transport retries a POST whose connection broke. When the first attempt had reached the peer (only
     its answer was lost), the retry carried the same signature, which the peer had taken already: refused
-    as a replay (401, unsigned: TransportError), where an honest retry must go through."""
+    as a replay (401, unsigned: TransportError), where an honest retry must go through. The first request
+    names no boot (the transport has not heard from the peer yet): refused with the peer's boot, and sent
+    again at once with it."""
     import http.server
     import threading
 
-    from qtp.wsrm.runtime._security import HEADER, Peer, Security, SeenSignatures, verify_request
+    from qtp.wsrm.runtime._security import BOOT_HEADER, HEADER, Peer, Security, SeenSignatures, verify_request
     from qtp.wsrm.runtime._transport import Transport
 
-    seen, attempts = SeenSignatures(60, now=time.time() - 1), []
+    seen, attempts = SeenSignatures(60), []
     server_side = Security(peers={"client": Peer("client", secret=SECRET.encode())})
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -179,10 +207,11 @@ def test_a_retried_attempt_is_signed_anew():
                 status = 401
                 attempts.append(str(exc))
             attempts.append(status)
-            if len(attempts) == 1:  # taken, then the connection breaks before the answer
+            if attempts.count(202) == 1 and status == 202:  # taken, then the connection breaks before the answer
                 self.close_connection = True
                 return
             self.send_response(status)
+            self.send_header(BOOT_HEADER, seen.boot)
             self.send_header("Content-Length", "6" if status == 401 else "0")
             self.end_headers()
             self.wfile.write(b"no, no" if status == 401 else b"")
@@ -197,7 +226,8 @@ def test_a_retried_attempt_is_signed_anew():
                                                                                      secret=SECRET.encode())}))
     try:
         reply = transport.post(url, encode(request(CreateSequence(ANON))), SoapVersion.SOAP12, None)
-        assert reply.status == 202 and attempts == [202, 202], attempts
+        assert reply.status == 202 and len(attempts) == 4 and attempts[1:] == [401, 202, 202], attempts
+        assert "another start" in attempts[0], attempts
     finally:
         transport.close()
         server.shutdown()
@@ -232,6 +262,34 @@ def test_a_malformed_signature_header_is_401_not_500(recorded):
         assert b"Traceback" not in answer.content
     assert set(statuses.values()) == {401}, statuses
     _finish(pair, 10)
+
+
+BAD_ADDRESSES = ["http://127.0.0.1:27803:27899/rm", "http://127.0.0.1:99999/rm", "http://127.0.0.1:-1/rm",
+                 "http://127.0.0.1:abc/rm", "http://[::1/rm", "http://127.0.0.1:\uff12\uff17\uff18\uff10\uff13/rm"]
+
+
+def test_a_malformed_address_is_refused_not_500(recorded, tmp_path):
+    """An authenticated peer names an address that does not parse (two ports, a port out of range or not a
+    number, an unclosed IPv6 literal, full-width digits) as AcksTo, ReplyTo, Offer Endpoint or MakeConnection
+    Address, at the server and at the client: each was an HTTP 500 "internal error; retry later" and a
+    ValueError traceback in the node's log (urlsplit().port raised in the address check). Now a Sender
+    fault (400), and the pair goes on."""
+    pair, client, server, _ = recorded(send=20, reply=True, rate=4)
+    client_id, server_id = node_id("client", tmp_path), node_id("server", tmp_path)
+    statuses: dict[int, list[str]] = {}
+    for bad in BAD_ADDRESSES:
+        messages = {"AcksTo": request(CreateSequence(bad)),
+                    "ReplyTo": request(CreateSequence(ANON), reply_to=bad),
+                    "Offer Endpoint": request(CreateSequence(ANON, offer=Offer(f"urn:uuid:{uuid.uuid4()}", bad))),
+                    "MakeConnection": request(MakeConnection(bad))}
+        for what, message in messages.items():
+            for node, sender in ((server, client_id), (client, server_id)):
+                answer = post_as(_url(node), message, sender, SECRET)
+                statuses.setdefault(answer.status_code, []).append(f"{what} {bad!r} at {node.log.stem}")
+    assert set(statuses) == {400}, {status: (len(cases), cases[:3]) for status, cases in statuses.items()}
+    for node in (server, client):
+        assert "Traceback" not in node.log.read_text(), node.log
+    _finish(pair, 20, reply=True)
 
 
 # ---------------------------------------------------------------------------------------------- both credentials

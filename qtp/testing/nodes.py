@@ -20,7 +20,7 @@ from sqlalchemy import text
 from qtp.embedded import free_port
 from qtp.wsrm.codec import Addressing, Envelope, SoapVersion, WsaVersion, anonymous, default_action, encode
 from qtp.wsrm.protocol import RMVersion
-from qtp.wsrm.runtime._security import HEADER, sign_request
+from qtp.wsrm.runtime._security import HEADER, answer_boot, sign_request
 from qtp.wsrm.runtime._transport import content_type
 
 
@@ -257,19 +257,34 @@ def request(body: object = None, *, to: str = "http://x/rm", message_id: str | N
     return envelope
 
 
+_BOOTS: dict[str, str] = {}  # URL -> the boot the node answering there gave last
+
+
 def post_as(url: str, message: Envelope | bytes, peer: str | None, secret: str, to: str | None = None,
-            **options: object) -> requests.Response:
+            now: float | None = None, **options: object) -> requests.Response:
     """POST a SOAP 1.2 request (an envelope, or bytes as they are) signed as ``peer`` with ``secret`` for the
-    node ``to`` (by default the NodeProcess listening at ``url``), or anonymously (``peer`` None); ``options``
-    go to ``requests.post`` (``verify``, ``cert``)."""
+    node ``to`` (by default the NodeProcess listening at ``url``), or anonymously (``peer`` None), at time
+    ``now`` (a clock ahead or behind; the present by default); ``options`` go to ``requests.post``
+    (``verify``, ``cert``). As a node's transport does, the signature names the boot the node last gave,
+    and a 401 that gives another one is signed again with it and sent once more."""
     body = message if isinstance(message, bytes) else encode(message)
     headers = {"Content-Type": content_type(SoapVersion.SOAP12, None)}
+    receiver = None
     if peer is not None:
         receiver = to or _NODE_IDS.get(urlsplit(url).port or 0)
         if receiver is None:
             raise ValueError(f"post_as: no NodeProcess listens at {url}; give to=<its [node] id>")
-        headers[HEADER] = sign_request(secret.encode(), peer, receiver, "POST", "/rm", body)
-    return requests.post(url, data=body, headers=headers, timeout=10, **options)  # type: ignore[arg-type]
+    for _ in range(2):
+        boot = _BOOTS.get(url, "")
+        if peer is not None and receiver is not None:
+            headers[HEADER] = sign_request(secret.encode(), peer, receiver, "POST", "/rm", body, now=now, boot=boot)
+        answer = requests.post(url, data=body, headers=headers, timeout=10, **options)  # type: ignore[arg-type]
+        answered = answer_boot(answer.headers)
+        if answered is not None:
+            _BOOTS[url] = answered
+        if peer is None or answer.status_code != 401 or answered in (None, boot):
+            break
+    return answer
 
 
 def counter(url: str, name: str) -> float | None:

@@ -28,6 +28,7 @@ import re
 import sys
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from lxml import etree
 
@@ -152,10 +153,16 @@ def _bad(reason: str, code: str = SENDER) -> InvalidMessage:
 
 
 def _address(element: Any, what: str) -> str:
-    """The text of an Address element (perhaps empty), refused above MAX_ADDRESS characters."""
+    """The text of an Address element (perhaps empty), refused above MAX_ADDRESS characters or when it does
+    not parse as a URI with a usable port (two ports, a port out of range or not in ASCII digits, an
+    unclosed IPv6 literal): nothing could be sent there, and nothing after the decoder must trip on it."""
     value = _text(element)
     if len(value) > MAX_ADDRESS:
         raise _bad(f"{what} has an Address of {len(value)} characters; at most {MAX_ADDRESS}")
+    try:
+        urlsplit(value).port
+    except ValueError as exc:
+        raise _bad(f"{what} has an Address that is not a usable URI ({exc}): {value[:200]!r}") from None
     return value
 
 

@@ -13,9 +13,10 @@ HTTP rules (SOAP 1.1 and 1.2 HTTP bindings, WS-RM 1.1 section 3):
   TOKEN``; a node listening beyond loopback does not start without it); ``GET /health``: ``ok`` once the
   node has started. Exactly these paths; SOAP is taken at the endpoint's own path only (404 elsewhere).
 - ``401`` for a request whose signature or client certificate does not hold (a malformed signature header,
-  one for another node, one taken before, a peer's credential missing), or that proves nothing when the
-  node takes no anonymous requests (see ``qtp.wsrm.runtime._security``). The caller's identity goes
-  with the envelope to the receiver, which checks it against the sequence's owner.
+  one for another node or another start of this one, one taken before, a peer's credential missing), or
+  that proves nothing when the node takes no anonymous requests (see ``qtp.wsrm.runtime._security``).
+  Every answer gives the node's current start in ``X-Qtp-Boot``, which signed requests name. The caller's
+  identity goes with the envelope to the receiver, which checks it against the sequence's owner.
 
 Memory: an envelope of more than ``[limits] max_elements`` elements is refused while it is parsed, and the
 envelopes parsed at once hold at most twice that many elements between them (a parse waits for room), so
@@ -51,10 +52,12 @@ from qtp.wsrm.codec import (
 )
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION
 from qtp.wsrm.runtime._security import (
+    BOOT_HEADER,
     HEADER,
     WSGI_HEADER,
     AuthenticationError,
     SeenSignatures,
+    StaleBoot,
     certificate_peer,
     identify,
     sign_response,
@@ -128,6 +131,10 @@ class Endpoint:
         self._parsing = _Room(2 * node.limits.max_elements)
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        boot = (BOOT_HEADER, self.seen.boot)
+        return self._route(environ, lambda status, headers, *rest: start_response(status, [*headers, boot], *rest))
+
+    def _route(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         method = environ.get("REQUEST_METHOD", "GET")
         path = environ.get("PATH_INFO", "") or "/"
         if path == "/metrics" and method == "GET":
@@ -155,6 +162,11 @@ class Endpoint:
         data = environ["wsgi.input"].read(int(length))
         try:
             request = self._authenticate(environ, path, data)
+        except StaleBoot as exc:  # each signing peer once after either node starts; a replay of an earlier start
+            log.info("refused a request from %s: %s", environ.get("REMOTE_ADDR", "?"), exc)
+            self.node.metrics.refused.labels(reason="boot").inc()
+            return _plain(start_response, 401, "signed for another start of this node: sign again naming the "
+                          "boot in X-Qtp-Boot", [("WWW-Authenticate", 'QtpHmac realm="qtp"')])
         except AuthenticationError as exc:
             log.warning("refused a request from %s: %s", environ.get("REMOTE_ADDR", "?"), exc)
             self.node.metrics.refused.labels(reason="unauthenticated").inc()

@@ -138,15 +138,17 @@ class _Refused(Exception):
 
 class HttpServer:
     """``HttpServer(app, host, port, limits, tls=context, health=callable).start()`` serves the WSGI ``app``
-    until ``stop()``. ``health()`` is True once the node has started; ``refused(reason)`` is told of each
-    connection closed by a limit: ``connections`` (the per-address cap) or ``deadline`` (handshake or
-    request too slow)."""
+    until ``stop()``. ``health()`` is True once the node has started, and its answer carries
+    ``health_headers`` too (the node's boot); ``refused(reason)`` is told of each connection closed by a
+    limit: ``connections`` (the per-address cap) or ``deadline`` (handshake or request too slow)."""
 
     def __init__(self, app: Callable[..., Iterable[bytes]], host: str, port: int, limits: Any,
                  tls: ssl.SSLContext | None = None, health: Callable[[], bool] | None = None,
-                 refused: Callable[[str], None] = lambda reason: None):
+                 refused: Callable[[str], None] = lambda reason: None,
+                 health_headers: tuple[tuple[str, str], ...] = ()):
         self.app, self.host, self.port, self.limits, self.tls, self.health = app, host, port, limits, tls, health
         self.refused = refused
+        self.health_headers = list(health_headers)
         self.refused_connections = 0
         self._open: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -309,8 +311,8 @@ class HttpServer:
             return await self._refuse(writer, refused)
         if environ["PATH_INFO"] == "/health" and environ["REQUEST_METHOD"] == "GET" and self.health is not None:
             started = self.health()
-            return await self._write(writer, *_plain(200 if started else 503, "ok" if started else "starting"),
-                                     keep, deadline)
+            status, headers, chunks = _plain(200 if started else 503, "ok" if started else "starting")
+            return await self._write(writer, status, headers + self.health_headers, chunks, keep, deadline)
         large = length > LARGE
         if large:
             waited = self._loop.time()

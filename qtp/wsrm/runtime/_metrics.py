@@ -102,8 +102,9 @@ class Metrics:
                                         labelnames=["node", "channel"], registry=self.registry)
         self._requests = Histogram("qtp_channel_request_messages", "Application messages per request sent",
                                    labelnames=["node", "channel"], buckets=BATCH_BUCKETS, registry=self.registry)
-        refused = Counter("qtp_requests_refused", "Requests or parts refused: reason = unauthenticated, not_owner "
-                          "(another peer's sequence), create (CreateSequence refused), unknown_action, gap, "
+        refused = Counter("qtp_requests_refused", "Requests or parts refused: reason = unauthenticated, boot (signed "
+                          "for another start of this node: a few per signing peer after a start, more are replays), "
+                          "not_owner (another peer's sequence), create (CreateSequence refused), unknown_action, gap, "
                           "peer_backlog, peer_replies", labelnames=["node", "reason"], registry=self.registry)
         self.refused = _Bound(refused, node_id)
         polls = Counter("qtp_polls", "WS-MakeConnection polls: sent (by a node without an endpoint); answered "

@@ -43,6 +43,7 @@ from qtp.wsrm.runtime._metrics import Metrics
 from qtp.wsrm.runtime._ownership import Ownership
 from qtp.wsrm.runtime._receiver import Receiver, new_message_id
 from qtp.wsrm.runtime._sender import Sender
+from qtp.wsrm.runtime._security import BOOT_HEADER
 from qtp.wsrm.runtime._settings import (
     ChannelSettings,
     Limits,
@@ -326,7 +327,8 @@ class Node:
         tls = _tls_context(security) if security.tls_cert else None
         refused = self.metrics.refused
         server = HttpServer(self.wsgi, host, port, self.limits, tls=tls, health=lambda: self.started,
-                            refused=lambda reason: refused.labels(reason=reason).inc())
+                            refused=lambda reason: refused.labels(reason=reason).inc(),
+                            health_headers=((BOOT_HEADER, self.wsgi.seen.boot),))
         if not security.anonymous_allowed(self.settings.listen_host()):
             log.info("node %s takes authenticated requests only (%d peer(s) known)", self.manager.node_id,
                      len(security.peers))

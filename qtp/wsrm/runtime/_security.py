@@ -11,13 +11,15 @@ A node knows its peers from ``[peers.NAME]`` tables, NAME being the peer's ``[no
 How a peer proves who it is:
 
 - **An HMAC of the request** (``X-Qtp-Signature``): HMAC-SHA256, with the secret both nodes share, over
-  the sending node's id, the receiving node's id (the name the sender gives it in its ``[peers]``), a Unix
-  timestamp in milliseconds, a random nonce, the method, the path and the body. It authenticates the body (not just the
-  caller), works over plain HTTP as well as TLS and costs one hash per request. A captured request cannot
-  be replayed: a signature is taken once (``SeenSignatures`` remembers those taken until their timestamp
-  leaves the ``[limits] max_clock_skew`` window, after which the timestamp check refuses them), and
-  another node that shares the sender's secret refuses it because it names another receiver. The nonce
-  keeps two honest requests with the same body in the same second (polls, acknowledgements) distinct.
+  the sending node's id, the receiving node's id (the name the sender gives it in its ``[peers]``), the
+  receiver's current start (its *boot*, below), a Unix timestamp in milliseconds, a random nonce, the
+  method, the path and the body. It authenticates the body (not just the caller), works over plain HTTP as
+  well as TLS and costs one hash per request. A captured request cannot be replayed: a signature is taken
+  once (``SeenSignatures`` remembers those taken until their timestamp leaves the ``[limits]
+  max_clock_skew`` window, after which the timestamp check refuses them), another node that shares the
+  sender's secret refuses it because it names another receiver, and the same node after a restart refuses
+  it because it names a former boot. The nonce keeps two honest requests with the same body in the same
+  second (polls, acknowledgements) distinct.
   The response is signed the same way, bound to the request's signature, so acknowledgements on a
   response are authenticated too. A bearer token was not chosen: it is a password sent in every request,
   which authenticates nothing of the body it travels with.
@@ -65,7 +67,9 @@ _WELL_FORMED = {  # what each field of a signature header may be; anything else 
     "ts": re.compile(r"[0-9]{1,15}"),  # Unix time in milliseconds
     "nonce": re.compile(r"[A-Za-z0-9_-]{16,64}"),
     "sig": re.compile(r"[A-Za-z0-9+/]{43}="),  # base64 of an HMAC-SHA256
+    "boot": re.compile(r"[A-Za-z0-9_-]{0,43}"),  # the receiver's boot as the sender knows it ("": unknown)
 }
+BOOT_HEADER = "X-Qtp-Boot"  # on every answer: the answering node's boot, which signers put in their requests
 
 
 @dataclass(frozen=True)
@@ -118,8 +122,9 @@ class Security:
         if self.anonymous_addresses:
             return any(_same_url(address, a) or address.startswith(a.rstrip("*")) and a.endswith("*")
                        for a in self.anonymous_addresses)
-        host = urlsplit(address).hostname
-        return host is not None and is_loopback(host) and (listen_host is None or is_loopback(listen_host))
+        key = _url_key(address)
+        host = key[1] if key is not None else ""
+        return bool(host) and is_loopback(host) and (listen_host is None or is_loopback(listen_host))
 
 
 def is_loopback(host: str) -> bool:
@@ -131,12 +136,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _url_key(url: str) -> tuple[str, str, int, str] | None:
+    """Scheme, host, port and path of ``url``, what makes two spellings the same address (None: it does not
+    parse, e.g. two ports, a port out of range or not in ASCII digits, an unclosed IPv6 literal)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    return parts.scheme, (parts.hostname or "").lower(), port, parts.path.rstrip("/")
+
+
 def _same_url(a: str, b: str) -> bool:
-    pa, pb = urlsplit(a), urlsplit(b)
-    port_a = pa.port or (443 if pa.scheme == "https" else 80)
-    port_b = pb.port or (443 if pb.scheme == "https" else 80)
-    return (pa.scheme, (pa.hostname or "").lower(), port_a, pa.path.rstrip("/")) == \
-        (pb.scheme, (pb.hostname or "").lower(), port_b, pb.path.rstrip("/"))
+    """Whether ``a`` and ``b`` are the same address; an address that does not parse is the same as none."""
+    key = _url_key(a)
+    return key is not None and key == _url_key(b)
 
 
 # ---------------------------------------------------------------------------------------------- signatures
@@ -146,17 +160,18 @@ def _mac(secret: bytes, *parts: bytes) -> str:
 
 
 def _request_mac(secret: bytes, fields: dict[str, str], method: str, path: str, body: bytes) -> str:
-    return _mac(secret, b"request", fields["id"].encode(), fields["to"].encode(), fields["ts"].encode(),
-                fields["nonce"].encode(), method.upper().encode(), (path or "/").encode(),
+    return _mac(secret, b"request", fields["id"].encode(), fields["to"].encode(), fields["boot"].encode(),
+                fields["ts"].encode(), fields["nonce"].encode(), method.upper().encode(), (path or "/").encode(),
                 hashlib.sha256(body).digest())
 
 
 def sign_request(secret: bytes, sender: str, receiver: str, method: str, path: str, body: bytes,
-                 now: float | None = None) -> str:
-    """The ``X-Qtp-Signature`` of one request from node ``sender`` to node ``receiver`` (its peer name):
-    sign each attempt anew, since a receiver takes a signature once."""
-    fields = {"id": sender, "to": receiver, "ts": str(int((time.time() if now is None else now) * 1000)),
-              "nonce": secrets.token_urlsafe(12)}
+                 now: float | None = None, boot: str = "") -> str:
+    """The ``X-Qtp-Signature`` of one request from node ``sender`` to node ``receiver`` (its peer name),
+    whose current boot is ``boot`` (as its last answer said; "" before any answer, which it refuses and
+    answers with its boot): sign each attempt anew, since a receiver takes a signature once."""
+    fields = {"id": sender, "to": receiver, "boot": boot,
+              "ts": str(int((time.time() if now is None else now) * 1000)), "nonce": secrets.token_urlsafe(12)}
     fields["sig"] = _request_mac(secret, fields, method, path, body)
     return ", ".join(f'{key}="{value}"' for key, value in fields.items())
 
@@ -181,8 +196,19 @@ def parse(header: str, required: tuple[str, ...]) -> dict[str, str]:
     return fields
 
 
+def answer_boot(headers: Any) -> str | None:
+    """The boot an answer's ``X-Qtp-Boot`` header gives (None: none, or not one a node draws)."""
+    boot = headers.get(BOOT_HEADER)
+    return boot if boot and _WELL_FORMED["boot"].fullmatch(boot) else None
+
+
+class StaleBoot(AuthenticationError):
+    """A request signed for another start of this node (or before the sender knew this one): the sender
+    signs it again with the boot of the answer and sends it once more."""
+
+
 class SeenSignatures:
-    """The request signatures this node has taken, so that each is taken once.
+    """The request signatures this node has taken, so that each is taken once, and the node's boot.
 
     A signature is remembered until its timestamp leaves the ``max_clock_skew`` window; after that the
     timestamp check refuses it without help. Entries are kept per timestamp second, so a lookup touches one
@@ -191,14 +217,23 @@ class SeenSignatures:
     default 60 s window (25 MB with 300 s); a peer whose clock runs ahead keeps its entries up to twice the
     window. A check costs about 10 microseconds.
 
-    The memory is lost with the process, so signatures timestamped up to ``started`` (which the node's
-    previous run may have taken) are refused: an honest sender, which signs each attempt anew, is refused
-    only while its clock still reads earlier than our start.
+    The memory is lost with the process, so each start of the node draws a random ``boot`` (128 bits), gives
+    it on every answer (``X-Qtp-Boot``) and takes only requests whose MAC names it: whatever an earlier run
+    took names an earlier boot and is refused, whatever its timestamp (refusing signatures dated before the
+    start was not enough: a peer whose clock runs ahead dates its requests up to ``max_clock_skew`` later,
+    and those were taken again after a restart). A signer learns the boot from the answers it gets; after
+    either side starts, its first request names no boot or a former one, is refused with a 401 that gives
+    the current one, and is signed again and sent once more at once: one extra round trip per start.
+
+    The boot in an answer is not signed (a 401 cannot be: the sender is not known yet), so someone on the
+    path can change it; the sender's requests then name a wrong boot and are refused, which is a denial of
+    service that the same attacker can have by dropping the packets. It cannot make a replay taken: the
+    receiver checks the boot it drew, not one that travelled.
     """
 
-    def __init__(self, window: float, now: float | None = None):
+    def __init__(self, window: float):
         self.window = window
-        self.started = int((time.time() if now is None else now) * 1000)  # milliseconds, as the timestamps
+        self.boot = secrets.token_urlsafe(16)
         self._lock = threading.Lock()
         self._by_second: dict[int, set[bytes]] = {}
         self._horizon = 0  # seconds below it are forgotten
@@ -222,8 +257,9 @@ class SeenSignatures:
 def verify_request(security: Security, header: str, method: str, path: str, body: bytes, receiver: str,
                    seen: SeenSignatures, now: float | None = None) -> Peer:
     """The peer that signed this request for node ``receiver``; AuthenticationError when the signature does
-    not hold, is for another node, is outside the clock-skew window, or was taken before."""
-    fields = parse(header, ("id", "to", "ts", "nonce", "sig"))
+    not hold, is for another node, is outside the clock-skew window, or was taken before; StaleBoot when it
+    names another start of this node."""
+    fields = parse(header, ("id", "to", "boot", "ts", "nonce", "sig"))
     sender = fields["id"]
     peer = security.peers.get(sender)
     if peer is None or peer.secret is None:
@@ -235,9 +271,10 @@ def verify_request(security: Security, header: str, method: str, path: str, body
         raise AuthenticationError(f"peer {sender}: timestamp outside the allowed clock skew ({seen.window:g} s)")
     if not hmac.compare_digest(_request_mac(peer.secret, fields, method, path, body), fields["sig"]):
         raise AuthenticationError(f"peer {sender}: signature does not match")
-    if ts <= seen.started:
-        raise AuthenticationError(f"peer {sender}: the request is signed before this node started (its previous "
-                                  "run may have taken it)")
+    if fields["boot"] != seen.boot:
+        raise StaleBoot(f"peer {sender}: the request names another start of this node (boot "
+                        f"{fields['boot'] or 'none'!r}; now {seen.boot!r}): signed before it knew this one, "
+                        "or replayed")
     if not seen.first_time(ts, fields["sig"], now):
         raise AuthenticationError(f"peer {sender}: this signature was taken before (a replayed request)")
     return peer

@@ -19,7 +19,15 @@ from requests.adapters import HTTPAdapter
 
 from qtp.errors import TransportError
 from qtp.wsrm.codec import Envelope, SoapVersion, encode
-from qtp.wsrm.runtime._security import HEADER, AuthenticationError, Peer, Security, sign_request, verify_response
+from qtp.wsrm.runtime._security import (
+    HEADER,
+    AuthenticationError,
+    Peer,
+    Security,
+    answer_boot,
+    sign_request,
+    verify_response,
+)
 
 log = logging.getLogger("qtp.wsrm.transport")
 
@@ -70,10 +78,13 @@ class Transport:
     """One pooled ``requests.Session`` per node, with connect/read timeouts and brief transport retries.
 
     Requests to a peer with a secret are signed, and its answer is read only if it is signed by it (else
-    TransportError: the answer is not believed, and the protocol retransmits). Redirects are never followed
-    and an answer longer than ``max_response_bytes`` is not read. With ``[node] tls_ca`` the peers' server
-    certificates are verified against that bundle (the system's otherwise); with ``tls_cert`` / ``tls_key``
-    the node presents its own certificate to peers that ask for one.
+    TransportError: the answer is not believed, and the protocol retransmits). A signature names the peer's
+    boot (its current start) as its last answer at that address gave it; a 401 that gives another boot than
+    the request named (the peer restarted, or we did and knew none) is signed again with it and sent once
+    more at once. Redirects are never followed and an answer longer than ``max_response_bytes`` is not read.
+    With ``[node] tls_ca`` the peers' server certificates are verified against that bundle (the system's
+    otherwise); with ``tls_cert`` / ``tls_key`` the node presents its own certificate to peers that ask for
+    one.
     """
 
     def __init__(self, timeout: float = 10.0, pool: int = 32, attempts: int = 3, backoff_max: float = 1.0, *,
@@ -82,6 +93,7 @@ class Transport:
         self.name = name
         self.security = security or Security()
         self.max_response_bytes = max_response_bytes
+        self._boots: dict[str, str] = {}  # URL -> the boot of the node that last answered there
         self.session = requests.Session()
         self.session.trust_env = False  # no proxy or netrc from the environment between two nodes
         if self.security.tls_ca:
@@ -112,7 +124,12 @@ class Transport:
         peer = self.security.peer_for_url(url)
         signer = peer if peer is not None and peer.secret is not None else None
         try:
-            status, answer_headers, data, signature = self._retrying(self._send, url, body, headers, signer)
+            boot = self._boots.get(url, "")
+            status, answer_headers, data, signature = self._retrying(self._send, url, body, headers, signer, boot)
+            if signer is not None and status == 401 and self._boots.get(url, "") != boot:
+                boot = self._boots[url]  # the peer restarted (or we did): its boot, learnt from this 401
+                status, answer_headers, data, signature = self._retrying(self._send, url, body, headers, signer,
+                                                                         boot)
         except requests.RequestException as exc:
             raise TransportError(f"POST {url} failed: {type(exc).__name__}: {exc}") from exc
         if signer is not None and data.strip():
@@ -122,19 +139,24 @@ class Transport:
                 raise TransportError(f"POST {url}: {exc} (HTTP {status}); the answer is ignored") from None
         return Reply(status, answer_headers.get("Content-Type", ""), data)
 
-    def _send(self, url: str, body: bytes, headers: dict[str, str],
-              signer: Peer | None) -> tuple[int, Any, bytes, str]:
-        """One attempt, signed anew for ``signer`` (the peer takes a signature once: an attempt whose answer
-        was lost after the peer read it must not be refused as its replay); the answer and the signature."""
+    def _send(self, url: str, body: bytes, headers: dict[str, str], signer: Peer | None,
+              boot: str) -> tuple[int, Any, bytes, str]:
+        """One attempt, signed anew for ``signer``'s ``boot`` (the peer takes a signature once: an attempt
+        whose answer was lost after the peer read it must not be refused as its replay); the answer and the
+        signature. The boot the answer gives is remembered for the next request to ``url``."""
         signature = ""
         if signer is not None:
-            signature = sign_request(signer.secret or b"", self.name, signer.name, "POST", urlsplit(url).path, body)
+            signature = sign_request(signer.secret or b"", self.name, signer.name, "POST", urlsplit(url).path, body,
+                                     boot=boot)
             headers = {**headers, HEADER: signature}
         with self.session.post(url, data=body, headers=headers, timeout=self.timeout, allow_redirects=False,
                                stream=True) as response:
             if 300 <= response.status_code < 400:
                 raise requests.RequestException(f"the peer redirects (HTTP {response.status_code}); "
                                                 "qtp does not follow redirects: configure the final address")
+            answered = answer_boot(response.headers)
+            if answered is not None:
+                self._boots[url] = answered
             declared = response.headers.get("Content-Length", "")
             if declared.isdigit() and int(declared) > self.max_response_bytes:
                 raise requests.RequestException(f"the answer is {declared} bytes, over [limits] max_response_bytes "
