@@ -124,14 +124,14 @@ def trap():
 def hostile(pg_db, maria_db, trap, run_pair):
     """Factory: hostile(send=N, reply=..., limits=..., rate=...) -> (pair, client, server), both running."""
     def make(send: int, reply: bool = False, limits: str = "", rate: float = 0.0, acks_to: str = "anonymous",
-             client_extra: str = "", **options):
+             client_extra: str = "", server_env: dict[str, str] | None = None, **options):
         client_app, server_app = pg_db("client"), maria_db("server")
         client_schema(client_app)
         server_schema(server_app)
         mallory = f'\n[peers.mallory]\nendpoint = "{trap.url}"\nsecret = "{MALLORY}"\n'
         pair = Pair(client_app, server_app, reply=reply, limits=limits, secret=SECRET, acks_to=acks_to,
                     server_extra=mallory, client_extra=mallory + client_extra, **options)
-        client, server = run_pair(pair, send, rate)
+        client, server = run_pair(pair, send, rate, server_env)
         return pair, client, server
 
     return make

@@ -246,6 +246,23 @@ def test_dead_letters(store):
         assert store.dead_letters(s) == []
 
 
+def test_dead_letters_remember_their_peer_and_are_counted_per_peer(store):
+    with store.local() as s:
+        for n in range(1, 5):
+            store.store_incoming(s, _in("urn:d", n))
+    with store.local() as s:
+        first, second, third, fourth = store.incoming(s)
+        store.dead_letter(s, first, "boom", 1.0, peer="mallory")
+        store.dead_letter(s, second, "boom", 2.0, peer="mallory")
+        store.dead_letter(s, third, "boom", 3.0, peer="client-a")
+        store.dead_letter(s, fourth, "boom", 4.0)  # an anonymous sequence's
+    with store.local() as s:
+        assert [x.peer for x in store.dead_letters(s)] == ["mallory", "mallory", "client-a", None]
+        assert store.dead_letters_per_peer(s) == {"mallory": 2, "client-a": 1, None: 1}
+        assert store.take_dead_letter(s, store.dead_letters(s)[0].id).peer == "mallory"
+        assert store.dead_letters_per_peer(s) == {"mallory": 1, "client-a": 1, None: 1}
+
+
 @pytest.mark.parametrize("kind", ["postgresql", "mariadb"])
 def test_enqueue_joins_the_global_transaction(kind, request, tmp_path):
     """Enqueued through a branch of a global transaction: there iff the transaction committed."""

@@ -51,6 +51,7 @@ from qtp.wsrm.codec import (
     most_elements,
 )
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION
+from qtp.wsrm.runtime._refusals import refusals
 from qtp.wsrm.runtime._security import (
     BOOT_HEADER,
     HEADER,
@@ -168,7 +169,8 @@ class Endpoint:
             return _plain(start_response, 401, "signed for another start of this node: sign again naming the "
                           "boot in X-Qtp-Boot", [("WWW-Authenticate", 'QtpHmac realm="qtp"')])
         except AuthenticationError as exc:
-            log.warning("refused a request from %s: %s", environ.get("REMOTE_ADDR", "?"), exc)
+            refusals.warn(log, "unauthenticated", "refused a request from %s: %s", environ.get("REMOTE_ADDR", "?"),
+                          exc)
             self.node.metrics.refused.labels(reason="unauthenticated").inc()
             return _plain(start_response, 401, "not authenticated: sign requests as [peers] says, or present a "
                           "client certificate this node knows", [("WWW-Authenticate", 'QtpHmac realm="qtp"')])

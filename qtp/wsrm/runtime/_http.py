@@ -37,6 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 from urllib.parse import unquote
 
+from qtp.wsrm.runtime._refusals import refusals
+
 log = logging.getLogger("qtp.wsrm.http")
 
 MAX_HEAD = 64 * 1024         # request line and headers
@@ -218,9 +220,8 @@ class HttpServer:
             client = address[0]
             if self._open.get(client, 0) >= self.limits.max_connections_per_address:
                 self.refused_connections += 1
-                if self.refused_connections % 1000 == 1:
-                    log.warning("refused a connection from %s: it holds %d already ([limits] "
-                                "max_connections_per_address)", client, self._open[client])
+                refusals.warn(log, "connections", "refused a connection from %s: it holds %d already ([limits] "
+                              "max_connections_per_address)", client, self._open[client])
                 sock.close()
                 self.refused("connections")
                 continue

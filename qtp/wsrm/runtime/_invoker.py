@@ -122,6 +122,10 @@ class _Schedule:
             self._cond.notify_all()
 
 
+def _peer_name(peer: str | None) -> str:
+    return "an anonymous peer" if peer is None else f"peer {peer!r}"
+
+
 def applied_key(owner: str | None, message_id: str) -> str:
     """What ``qtp_rm_applied`` remembers for a message: its MessageID within its sender's scope. A peer's
     MessageIDs are hashed with the peer's name, so another peer that sends the same MessageID first (it saw
@@ -148,6 +152,9 @@ class Invoker:
         self._outages: dict[tuple[str, int], int] = {}  # transient failures in a row, per message (not attempts)
         self._threads: list[threading.Thread] = []
         self._stopping = False
+        self._dead_mutex = threading.Lock()
+        self._dead_counts: dict[str | None, int] | None = None  # dead letters per peer, read when first needed
+        self._dead_read_at = 0.0
 
     # ------------------------------------------------------------------ state
 
@@ -481,16 +488,17 @@ class Invoker:
             return
         self._outages.pop((message.identifier, message.number), None)
         attempts = max(message.attempts + 1, limits.max_attempts if isinstance(exc, MessageRefusedError) else 0)
-        if attempts >= limits.max_attempts and not self._dead_letters_full():
-            self._dead_letter(replace(message, attempts=attempts, last_error=error), error, now)
+        peer = self._peer_of(message.identifier) if attempts >= limits.max_attempts else None
+        if attempts >= limits.max_attempts and not self._dead_letters_full(peer):
+            self._dead_letter(replace(message, attempts=attempts, last_error=error), error, now, peer)
             return
         delay = limits.backoff(attempts)
         if attempts >= limits.max_attempts:
             delay = limits.retry_backoff_max
-            log.error("message %s (%s #%d) failed %d times, but the dead letters are at their cap ([limits] "
-                      "max_dead_letters = %d): it stays queued and its sequence waits; act on the dead letters "
-                      "(qtp dead-letters list|retry|drop)", message.message_id, message.identifier, message.number,
-                      attempts, limits.max_dead_letters)
+            log.error("message %s (%s #%d) failed %d times, but %s has its cap of dead letters ([limits] "
+                      "max_dead_letters = %d, per peer): it stays queued and its sequence waits; act on that "
+                      "peer's dead letters (qtp dead-letters list|retry|drop)", message.message_id,
+                      message.identifier, message.number, attempts, _peer_name(peer), limits.max_dead_letters)
         else:
             log.warning("handler failed for %s #%d (attempt %d of %d, next in %.1f s): %s", message.identifier,
                         message.number, attempts, limits.max_attempts, delay, error)
@@ -498,11 +506,32 @@ class Invoker:
             self.store.note_failure(s, message.identifier, message.number, error, now + delay)
         self._abort(message.identifier, message.number, at=now + delay)
 
-    def _dead_letters_full(self) -> bool:
-        with self.store.local() as s:
-            return self.store.summary(s).dead_letters >= self.node.limits.max_dead_letters
+    def _peer_of(self, identifier: str) -> str | None:
+        """The peer that owns inbound sequence ``identifier`` (None: an anonymous one, or redeliveries)."""
+        info = self.node.receiver.info(identifier)
+        return None if info is None else info.owner
 
-    def _dead_letter(self, message: Incoming, error: str, now: float) -> None:
+    def _dead_letters_full(self, peer: str | None) -> bool:
+        """Has ``peer`` its ``max_dead_letters``? The cap counts per peer, so one peer's refused messages never
+        hold another's sequence. The counts are read from the store when first needed and then kept here: only
+        this process adds dead letters, and ``qtp dead-letters retry|drop`` only removes them, so a kept count
+        is never too low. A peer at its cap is read again (at most once a second) to see an operator's drops."""
+        cap = self.node.limits.max_dead_letters
+        with self._dead_mutex:
+            counts = self._dead_counts
+            stale = counts is not None and counts.get(peer, 0) >= cap and time.monotonic() - self._dead_read_at >= 1.0
+            if counts is None or stale:
+                with self.store.local() as s:
+                    counts = self._dead_counts = self.store.dead_letters_per_peer(s)
+                self._dead_read_at = time.monotonic()
+            return counts.get(peer, 0) >= cap
+
+    def _counted_dead_letter(self, peer: str | None) -> None:
+        with self._dead_mutex:
+            if self._dead_counts is not None:
+                self._dead_counts[peer] = self._dead_counts.get(peer, 0) + 1
+
+    def _dead_letter(self, message: Incoming, error: str, now: float, peer: str | None) -> None:
         """The message leaves its sequence for the dead letters (with the whole error); for request-reply the
         client gets a fault that says only that (the error, often SQL with its parameters, stays here). A
         fault that cannot be enqueued (the offered sequence is gone, its identifier does not fit) does not
@@ -512,25 +541,26 @@ class Invoker:
                   "and is kept with the receiving node's dead letters")
         fault = None if message.fault is not None else self._reply(message, None, fault=reason)
         try:
-            self._write_dead_letter(message, error, now, record, fault)
+            self._write_dead_letter(message, error, now, record, fault, peer)
         except (QtpError, SQLAlchemyError) as exc:
             if fault is None:
                 raise
             log.error("the fault for dead letter %s could not be enqueued (%s); it is kept without one",
                       message.message_id, exc)
             fault = None
-            self._write_dead_letter(message, error, now, record, None)
-        log.error("message %s (%s #%d) is a dead letter after %d attempts: %s", message.message_id,
-                  message.identifier, message.number, self.node.limits.max_attempts, error)
+            self._write_dead_letter(message, error, now, record, None, peer)
+        self._counted_dead_letter(peer)
+        log.error("message %s (%s #%d from %s) is a dead letter after %d attempts: %s", message.message_id,
+                  message.identifier, message.number, _peer_name(peer), self.node.limits.max_attempts, error)
         self.node.metrics.dead_lettered.inc()
         if fault is not None:
             self.node.sender.wake.set()
         self._committed(message.identifier, message.number)
 
     def _write_dead_letter(self, message: Incoming, error: str, now: float, record: Any,
-                           fault: Outgoing | None) -> None:
+                           fault: Outgoing | None, peer: str | None) -> None:
         with self.store.local() as s:
-            self.store.dead_letter(s, message, error, now)
+            self.store.dead_letter(s, message, error, now, peer)
             self.store.save_invoker(s, record)
             if fault is not None:
                 self.store.enqueue(s, fault)

@@ -42,6 +42,7 @@ from qtp.wsrm.protocol import (
     TerminateSequence,
     TerminateSequenceResponse,
 )
+from qtp.wsrm.runtime._refusals import refusals
 from qtp.wsrm.runtime._settings import channel_name
 
 if TYPE_CHECKING:
@@ -137,8 +138,8 @@ class Ownership:
         named = self._named(envelope.body, key)
         body = named is None or allowed(type(envelope.body).__name__, named[0], named[1])
         for what, identifier in refused:
-            log.warning("refused a %s for sequence %s from %s: it is not that sequence's peer", what,
-                        identifier[:200], source)
+            refusals.warn(log, "not_owner", "refused a %s for sequence %s from %s: it is not that sequence's "
+                          "peer", what, identifier[:200], source)
             self.node.metrics.refused.labels(reason="not_owner").inc()
         return About(tuple(acks), requests, sequence, body, tuple(identifier for _, identifier in refused))
 

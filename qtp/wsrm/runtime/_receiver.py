@@ -74,6 +74,7 @@ from qtp.wsrm.protocol import (
 )
 from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.runtime._ownership import Source
+from qtp.wsrm.runtime._refusals import refusals
 from qtp.wsrm.runtime._security import is_loopback
 from qtp.wsrm.store import DestinationInfo, Incoming, SourceInfo
 
@@ -241,7 +242,8 @@ class Receiver:
         return len(inbound) + len(self.node.sender.offers_of(caller) - accepted)
 
     def _refused_create(self, env: Envelope, reason: str, caller: str | None) -> Answer:
-        log.warning("refused a CreateSequence from %s: %s", f"peer {caller}" if caller else "an anonymous peer", reason)
+        refusals.warn(log, "create", "refused a CreateSequence from %s: %s",
+                      f"peer {caller}" if caller else "an anonymous peer", reason)
         self.node.metrics.refused.labels(reason="create").inc()
         return self.fault(env, SequenceFault(FaultCode.CREATE_SEQUENCE_REFUSED, None, reason))
 
@@ -367,8 +369,8 @@ class Receiver:
                 if not isinstance(env.body, SoapFault) and action not in handlers and \
                         not (env.rm is RMVersion.WSRM10 and env.sequence.last_message and not env.payload):  # type: ignore[union-attr]
                     self.node.metrics.refused.labels(reason="unknown_action").inc()
-                    log.warning("refused a message with action %r on %s: no handler takes it", action[:200],
-                                identifier)
+                    refusals.warn(log, "unknown_action", "refused a message with action %r on %s: no handler "
+                                  "takes it", action[:200], identifier)
                     return self.fault(env, SoapFault("Sender", "wsa:ActionNotSupported",
                                                      f"no handler for action {action[:200]}"))
         if machine is not None:

@@ -54,8 +54,9 @@ class Limits:
     - ``dedup_retention``: how long the MessageID of an applied message is remembered (``xa`` mode), so
       that a copy sent again in a new sequence is not applied twice; longer than ``inactivity_timeout`` +
       ``ended_retention``, after which a destination forgets a sequence.
-    - ``max_dead_letters``: dead letters kept at most; at the cap a message whose handler keeps failing
-      stays queued (retried every ``retry_backoff_max``) instead of becoming a dead letter.
+    - ``max_dead_letters``: dead letters kept at most per peer (the one that owns the message's sequence);
+      at its cap a message of that peer whose handler keeps failing stays queued (retried every
+      ``retry_backoff_max``) instead of becoming a dead letter. Other peers' sequences go on.
     - ``invoker_batch``: consecutive messages of one sequence applied in one global transaction (all or
       none; a batch that fails is applied again one message per transaction).
     - ``sender_threads`` / ``invoker_threads`` / ``http_threads``: worker threads.

@@ -38,9 +38,10 @@ def stores(config: Config) -> list[tuple[str, Store, sqlalchemy.Engine]]:
 def messaging_status(config: Config) -> dict[str, Any]:
     """Sequences (both directions), invoker backlog and dead letters, read from the node's stores."""
     if not config.messaging["channels"] and not config.messaging["node"].get("endpoint"):
-        return {"sequences": [], "dead_letters": 0, "invoker_backlog": 0}
+        return {"sequences": [], "dead_letters": 0, "dead_letters_per_peer": {}, "invoker_backlog": 0}
     now = time.time()
     sequences, dead, backlog = [], 0, 0
+    per_peer: dict[str, int] = {}  # peer name ("-": anonymous sequences) -> dead letters
     for name, store, engine in stores(config):
         try:
             with store.local() as s:
@@ -67,11 +68,15 @@ def messaging_status(config: Config) -> dict[str, Any]:
                         "last_number": record.received[-1][1] if record.received else 0,
                         "invoker_backlog": waiting})
                 dead += summary.dead_letters
+                if summary.dead_letters:
+                    for peer, count in store.dead_letters_per_peer(s).items():
+                        per_peer[peer or "-"] = per_peer.get(peer or "-", 0) + count
                 backlog += sum(summary.incoming.values())
         finally:
             engine.dispose()
     limits = node_settings(config.messaging, set(config.resources)).limits
-    return {"sequences": sequences, "dead_letters": dead, "invoker_backlog": backlog,
+    return {"sequences": sequences, "dead_letters": dead, "dead_letters_per_peer": dict(sorted(per_peer.items())),
+            "invoker_backlog": backlog,
             "max_dead_letters": limits.max_dead_letters, "polling_clients": polling_clients(sequences)}
 
 
@@ -92,15 +97,19 @@ def polling_clients(sequences: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def messaging_warnings(status: dict[str, Any]) -> list[str]:
-    """What an operator must act on: dead letters (each waits for a decision), and the cap they reach."""
+    """What an operator must act on: dead letters (each waits for a decision), and the peers at their cap."""
     dead, cap = status["dead_letters"], status.get("max_dead_letters")
     if not dead:
         return []
+    per_peer = status.get("dead_letters_per_peer") or {}
     warning = (f"{dead} dead letter(s) wait for an operator (qtp dead-letters list, then retry or drop "
                "them)")
-    if cap is not None and dead >= cap:
-        warning += (f"; the cap of {cap} ([limits] max_dead_letters) is reached: a message whose handler "
-                    "keeps failing now stays queued and holds up its sequence")
+    if per_peer:
+        warning += ": " + ", ".join(f"{n} from {peer}" for peer, n in per_peer.items())
+    full = [peer for peer, n in per_peer.items() if cap is not None and n >= cap]
+    if full:
+        warning += (f"; {', '.join(full)} reached the cap of {cap} per peer ([limits] max_dead_letters): a "
+                    "message of theirs whose handler keeps failing now stays queued and holds up its sequence")
     return [warning]
 
 

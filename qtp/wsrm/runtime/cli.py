@@ -124,13 +124,14 @@ def run_dead_letters(args: argparse.Namespace) -> int:
 
 def _print_letters(letters: list[Any], as_json: bool) -> None:
     if as_json:
-        print(json.dumps([{"id": x.id, "sequence": x.message.identifier, "number": x.message.number,
+        print(json.dumps([{"id": x.id, "peer": x.peer, "sequence": x.message.identifier,
+                           "number": x.message.number,
                            "message_id": x.message.message_id, "action": x.message.action,
                            "attempts": x.message.attempts, "error": x.error, "failed_at": x.failed_at,
                            "payload": (x.message.payload or b"").decode("utf-8", "replace")} for x in letters],
                          indent=2))
         return
-    print(table(["id", "sequence", "#", "action", "failed", "error"],
-                 [[x.id, x.message.identifier, x.message.number, x.message.action,
+    print(table(["id", "peer", "sequence", "#", "action", "failed", "error"],
+                 [[x.id, x.peer or "-", x.message.identifier, x.message.number, x.message.action,
                    time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(x.failed_at)),
                    x.error.splitlines()[-1][:60] if x.error else ""] for x in letters]))

@@ -98,6 +98,7 @@ class DeadLetter:
     message: Incoming
     error: str
     failed_at: float
+    peer: str | None = None  # the peer that owned the message's sequence (None: an anonymous one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,8 +280,14 @@ class Store(abc.ABC):
     # ------------------------------------------------------------------ dead letters
 
     @abc.abstractmethod
-    def dead_letter(self, s: Any, message: Incoming, error: str, now: float) -> None:
-        """Move a stored message to the dead letters (consuming it)."""
+    def dead_letter(self, s: Any, message: Incoming, error: str, now: float, peer: str | None = None) -> None:
+        """Move a stored message to the dead letters (consuming it), remembering the peer that owned its
+        sequence (the cap on dead letters counts per peer)."""
+
+    @abc.abstractmethod
+    def dead_letters_per_peer(self, s: Any) -> dict[str | None, int]:
+        """How many dead letters each peer has (None: anonymous sequences'). Reads every letter's
+        description: for the invoker when a message is about to become a dead letter, never per message."""
 
     @abc.abstractmethod
     def dead_letters(self, s: Any) -> list[DeadLetter]:

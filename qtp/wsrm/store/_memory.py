@@ -174,10 +174,16 @@ class MemoryStore(Store):
 
     # ------------------------------------------------------------------ dead letters
 
-    def dead_letter(self, s: _Data, message: Incoming, error: str, now: float) -> None:
+    def dead_letter(self, s: _Data, message: Incoming, error: str, now: float, peer: str | None = None) -> None:
         self.consume(s, message.identifier, message.number)
         letter_id = next(self._ids)
-        s.dead[letter_id] = DeadLetter(letter_id, message, error[:4000], now)
+        s.dead[letter_id] = DeadLetter(letter_id, message, error[:4000], now, peer)
+
+    def dead_letters_per_peer(self, s: _Data) -> dict[str | None, int]:
+        counts: dict[str | None, int] = {}
+        for letter in s.dead.values():
+            counts[letter.peer] = counts.get(letter.peer, 0) + 1
+        return counts
 
     def dead_letters(self, s: _Data) -> list[DeadLetter]:
         return [s.dead[i] for i in sorted(s.dead)]

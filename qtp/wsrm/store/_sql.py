@@ -380,15 +380,23 @@ class SqlStore(Store):
 
     # ------------------------------------------------------------------ dead letters
 
-    def dead_letter(self, s: Connection, message: Incoming, error: str, now: float) -> None:
+    def dead_letter(self, s: Connection, message: Incoming, error: str, now: float, peer: str | None = None) -> None:
         self.consume(s, message.identifier, message.number)
         described = {f: getattr(message, f) for f in _INCOMING_FIELDS if f != "payload"}
+        described["peer"] = peer  # in the JSON description: tables made before the peer was kept still fit
         s.execute(dead_letters.insert(), {"identifier": message.identifier, "number": message.number,
                                           "message": _dump(described), "payload": message.payload,
                                           "error": error[:4000], "failed_at": now})
 
     def dead_letters(self, s: Connection) -> list[DeadLetter]:
         return [self._letter(row) for row in s.execute(dead_letters.select().order_by(dead_letters.c.id))]
+
+    def dead_letters_per_peer(self, s: Connection) -> dict[str | None, int]:
+        counts: dict[str | None, int] = {}
+        for (described,) in s.execute(sa.select(dead_letters.c.message)):
+            peer = json.loads(described).get("peer")
+            counts[peer] = counts.get(peer, 0) + 1
+        return counts
 
     def take_dead_letter(self, s: Connection, letter_id: int) -> DeadLetter | None:
         row = s.execute(dead_letters.select().where(dead_letters.c.id == letter_id)).first()
@@ -400,8 +408,9 @@ class SqlStore(Store):
     @staticmethod
     def _letter(row: Any) -> DeadLetter:
         fields = json.loads(row.message)
+        peer = fields.pop("peer", None)
         return DeadLetter(id=row.id, message=Incoming(payload=row.payload, **fields), error=row.error,
-                          failed_at=row.failed_at)
+                          failed_at=row.failed_at, peer=peer)
 
     # ------------------------------------------------------------------ helpers
 
