@@ -398,3 +398,19 @@ def test_decode_refuses_more_elements_than_the_limit_while_parsing():
     assert decode(crowded, max_elements=1000).payload.count(b"&lt;") == 5000
     with pytest.raises(InvalidMessage, match="more than 10 elements"):
         decode(head + b"<![CDATA[<<]]>" + b"<y/>" * 11 + b"</x></s:Body></s:Envelope>", max_elements=10)
+
+
+def test_a_fault_says_what_not_how():
+    """A parse error's fault reason is qtp's own words; the parser's text (libxml2's, naming its options and
+    positions) goes to the log only. Before (main cc276df): "the envelope is not well-formed XML: Excessive
+    depth in document: 256, use XML_PARSE_HUGE option, line 1, column 1275 (<string>, line 1)"."""
+    from qtp.wsrm.codec import InvalidMessage, decode
+
+    deep = b"<s:Envelope xmlns:s='http://www.w3.org/2003/05/soap-envelope'><s:Body>" + b"<a>" * 300
+    with pytest.raises(InvalidMessage) as deep_error:
+        decode(deep + b"</a>" * 300 + b"</s:Body></s:Envelope>")
+    assert deep_error.value.reason == "the envelope is nested deeper than 100 elements", deep_error.value.reason
+    with pytest.raises(InvalidMessage) as broken:
+        decode(b"<s:Envelope xmlns:s='http://www.w3.org/2003/05/soap-envelope'><s:Body></s:Envelope>")
+    assert broken.value.reason == "the envelope is not well-formed XML", broken.value.reason
+    assert "line" in str(broken.value.__cause__)  # the parser's own text, for the log
