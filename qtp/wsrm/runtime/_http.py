@@ -263,6 +263,7 @@ class HttpServer:
             self._open[client] = self._open.get(client, 0) + 1
             task = self._loop.create_task(self._connection(sock, address))
             self._tasks.add(task)
+            await asyncio.sleep(0)  # the task starts (and counts as quiet) before the next accept
 
     def _make_room(self) -> bool:
         """At ``max_connections``: close the connection that has waited longest without a request under way
@@ -286,7 +287,7 @@ class HttpServer:
         client = address[0]
         task = asyncio.current_task()
         assert task is not None
-        self._quiet[task] = None  # until its first request begins
+        self._quiet[task] = None  # until its first request begins; only a started task is ever cancelled
         raw: asyncio.BaseTransport | None = None
         writer: asyncio.StreamWriter | None = None
         finished = False
