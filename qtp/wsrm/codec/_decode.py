@@ -310,8 +310,10 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = 
         data = bytes(data)
     try:
         root = etree.fromstring(data, _PARSER) if most_elements(data) <= max_elements else _counted(data, max_elements)
-    except etree.XMLSyntaxError as exc:
-        raise _bad(f"the envelope is not well-formed XML: {exc}") from exc
+    except etree.XMLSyntaxError as exc:  # the parser's words (its options, positions) are for the log only
+        if "Excessive depth" in str(exc):  # libxml2's own bound, 256, past ours
+            raise _bad(f"the envelope is nested deeper than {min(max_depth, 256)} elements") from exc
+        raise _bad("the envelope is not well-formed XML") from exc
     docinfo = root.getroottree().docinfo
     if docinfo.doctype:
         raise _bad("DTDs are not accepted")

@@ -212,7 +212,7 @@ class Endpoint:
         try:
             envelopes = [self._decode(part) for part in decode_batch(data, limits.max_batch)]
         except InvalidMessage as exc:
-            log.info("refused a batch: %s", exc)
+            log.info("refused a batch: %s%s", exc, _cause(exc))
             return self._respond(_bare_fault(SoapVersion.SOAP12, "Sender", str(exc)), 400)
         return self._answer(envelopes[0], lambda: self.node.receiver.handle_batch(envelopes, request.caller))
 
@@ -220,7 +220,7 @@ class Endpoint:
         try:
             envelope = self._decode(data)
         except InvalidMessage as exc:
-            log.info("refused a request: %s", exc)
+            log.info("refused a request: %s%s", exc, _cause(exc))
             return self._respond(_bare_fault(soap, "Sender", str(exc)), 400 if soap is SoapVersion.SOAP12 else 500)
         return self._answer(envelope, lambda: self.node.receiver.handle(envelope, request.caller))
 
@@ -257,3 +257,8 @@ def _bare_fault(soap: SoapVersion, code: str, reason: str) -> Envelope:
     wsa = WsaVersion.WSA200508
     return Envelope(soap=soap, rm=None, wsa=wsa, addressing=Addressing(action=WSA_FAULT_ACTION[wsa]),
                     body=SoapFault(code, None, reason[:500]))
+
+
+def _cause(exc: BaseException) -> str:
+    """The parser's own words behind a refusal, for the log (the fault says what, not how)."""
+    return f" ({exc.__cause__})" if exc.__cause__ is not None else ""

@@ -1,21 +1,29 @@
 """The node's HTTP/1.1 server: connections on one asyncio event loop, complete requests to a thread pool.
 
 Why it is built this way: a node must keep answering its peers (and ``/health``) whatever a client does
-with its sockets. Every connection is a coroutine on the loop, so a silent, slow or half-sent one costs a
-few kilobytes and holds no thread; only a request that has fully arrived (head and body) reaches the pool
-of ``[limits] http_threads`` threads running the WSGI application. The bounds, all in ``[limits]``:
+with its sockets. Every connection is a coroutine on the loop, so a silent, slow or half-sent one holds no
+thread and little memory (a TLS connection about 70 KB: asyncio's 256 KiB read buffer is cut to 16 KiB);
+only a request that has fully arrived (head and body) reaches the pool of ``[limits] http_threads``
+threads running the WSGI application. The bounds, all in ``[limits]``:
 
 - the TLS handshake runs on the loop (``loop.connect_accepted_socket`` with a handshake timeout), never in
   the accepting code: a client that stalls it is dropped after ``http_handshake_timeout``;
 - a connection waits at most ``http_idle_timeout`` for the first byte of its next request (keep-alive);
   from that byte, the head and the body must have arrived within ``http_request_timeout`` (the time spent
-  waiting for room in the body budget below is not the client's and is not counted);
+  waiting for room in the body budget below is not the client's and is not counted; that wait has its own
+  ``http_request_timeout``, then 503);
+- connections take turns: one request at a time each, the loop yielded between them, and the answer to
+  one must have left the process before the next is read (a client that pipelines thousands of requests
+  and reads nothing holds one answer and delays nobody);
 - one client address holds at most ``max_connections_per_address`` connections, handshakes included; the
-  next ones are closed as soon as they are accepted;
+  next ones are closed as soon as they are accepted; the node holds at most ``max_connections``: at that
+  bound a newcomer closes the connection longest without a request under way (a stalled handshake, an idle
+  keep-alive), so many addresses holding stalled connections cannot lock honest peers out;
 - request bodies over ``LARGE`` bytes are read only while their bytes fit in ``max_body_memory`` together
   with the other large bodies being read or handled; the others wait, their bytes left in the kernel's
-  buffers (TCP then slows the sender). When the last large body is done, ``malloc_trim`` hands the freed
-  heap back to the system (glibc otherwise keeps it for the next allocation, for good).
+  buffers (TCP then slows the sender). When the last large body is done, and after a burst of closed
+  connections, ``malloc_trim`` hands the freed heap back to the system (glibc otherwise keeps it for the
+  next allocation, for good).
 
 ``GET /health`` is answered on the loop, without the pool: it says whether the node has started, and a
 pool busy with slow handlers does not make a healthy node look dead.
@@ -27,12 +35,14 @@ import asyncio
 import collections
 import ctypes
 import ctypes.util
+import gc
 import io
 import logging
 import socket
 import ssl
 import sys
 import threading
+from asyncio import sslproto
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 from urllib.parse import unquote
@@ -44,7 +54,10 @@ log = logging.getLogger("qtp.wsrm.http")
 MAX_HEAD = 64 * 1024         # request line and headers
 MAX_HEADERS = 100
 LARGE = 64 * 1024            # bodies above this take room in the body budget
-TRIM_DELAY = 0.5             # seconds without a large body before the heap is trimmed
+TRIM_DELAY = 0.5             # seconds without a large body or a closed connection before the heap is trimmed
+TRIM_EVERY = 5.0             # seconds at most between trims while connections keep closing
+TRIM_CONNECTIONS = 100       # connections closed that make a burst worth a trim
+TLS_READ = 16 * 1024         # bytes a TLS connection reads at once (a TLS record's plaintext at most)
 BODY_READ = 256 * 1024       # bytes per read of a body (the reader's buffer never holds a whole one)
 CLOSE_GRACE = 5.0            # seconds a closing connection may take to deliver its last answer
 
@@ -130,6 +143,24 @@ def single_malloc_arena() -> None:
         mallopt(M_ARENA_MAX, 1)
 
 
+class _TlsProtocol(sslproto.SSLProtocol):
+    """asyncio's TLS protocol with a 16 KiB read buffer instead of 256 KiB: asyncio allocates (and fills) the
+    buffer when the connection is accepted, so 640 half-sent handshakes held 210 MB, and freed in blocks of
+    that size it stayed in the heap. Smaller reads only mean more of them for a large body."""
+
+    max_size = TLS_READ
+
+
+class _Protocol(asyncio.StreamReaderProtocol):
+    """A stream protocol that keeps the transport it was given (behind TLS, the one that decrypts)."""
+
+    transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        super().connection_made(transport)
+
+
 class _Refused(Exception):
     """A request that is answered with ``status`` and then the connection is closed."""
 
@@ -157,6 +188,9 @@ class HttpServer:
         self._budget = _Budget(limits.max_body_memory)
         self._trim = _trimmer()
         self._trimming: asyncio.TimerHandle | None = None
+        self._trim_asked = 0.0  # when the pending trim was first asked for
+        self._closed = 0        # connections closed since the last trim
+        self._quiet: dict[asyncio.Task[None], None] = {}  # connections without a request under way, oldest first
         self._pool = ThreadPoolExecutor(max_workers=limits.http_threads, thread_name_prefix="qtp-http")
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
@@ -225,24 +259,57 @@ class HttpServer:
                 sock.close()
                 self.refused("connections")
                 continue
+            if len(self._tasks) >= self.limits.max_connections and not self._make_room():
+                sock.close()
+                self.refused("connections")
+                continue
             self._open[client] = self._open.get(client, 0) + 1
             task = self._loop.create_task(self._connection(sock, address))
             self._tasks.add(task)
+            await asyncio.sleep(0)  # the task starts (and counts as quiet) before the next accept
+
+    def _make_room(self) -> bool:
+        """At ``max_connections``: close the connection that has waited longest without a request under way
+        (a stalled TLS handshake, an idle keep-alive), so that addresses holding connections open cannot
+        lock newcomers out; False when every connection is in the middle of a request."""
+        if not self._quiet:
+            self.refused_connections += 1
+            if self.refused_connections % 1000 == 1:
+                log.warning("refused a connection: %d are open, each with a request under way ([limits] "
+                            "max_connections)", len(self._tasks))
+            return False
+        oldest = next(iter(self._quiet))
+        del self._quiet[oldest]
+        oldest.cancel()
+        self.refused("connections")
+        return True
 
     # ------------------------------------------------------------------ one connection
 
     async def _connection(self, sock: socket.socket, address: Any) -> None:
         client = address[0]
+        task = asyncio.current_task()
+        assert task is not None
+        self._quiet[task] = None  # until its first request begins; only a started task is ever cancelled
+        raw: asyncio.BaseTransport | None = None
         writer: asyncio.StreamWriter | None = None
         finished = False
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             reader = asyncio.StreamReader(limit=MAX_HEAD)
-            protocol = asyncio.StreamReaderProtocol(reader)
-            async with asyncio.timeout(self.limits.http_handshake_timeout):  # TLS handshake: asyncio's own
-                transport, _ = await self._loop.connect_accepted_socket(  # timeout is a ConnectionAbortedError
-                    lambda: protocol, sock, ssl=self.tls,
-                    ssl_handshake_timeout=self.limits.http_handshake_timeout + 1 if self.tls else None)
+            protocol = _Protocol(reader)
+            async with asyncio.timeout(self.limits.http_handshake_timeout):
+                if self.tls is None:
+                    raw, _ = await self._loop.connect_accepted_socket(lambda: protocol, sock)
+                else:  # asyncio's own handshake timeout is a ConnectionAbortedError
+                    handshake = self._loop.create_future()
+                    tls = _TlsProtocol(self._loop, protocol, self.tls, handshake, server_side=True,
+                                       ssl_handshake_timeout=self.limits.http_handshake_timeout + 1)
+                    raw, _ = await self._loop.connect_accepted_socket(lambda: tls, sock)
+                    await handshake
+            transport = protocol.transport
+            assert transport is not None
+            transport.set_write_buffer_limits(high=0)  # an answer leaves the process before the next request is read
             writer = asyncio.StreamWriter(transport, protocol, reader, self._loop)
             base = self._environ(writer, address)
             while await self._exchange(reader, writer, base):
@@ -257,8 +324,12 @@ class HttpServer:
         except Exception:
             log.exception("HTTP connection from %s failed", client)
         finally:
+            self._quiet.pop(task, None)
             if writer is None:
-                sock.close()
+                if raw is not None:
+                    raw.abort()
+                else:
+                    sock.close()
             elif finished:  # the last answer is flushed, if the client reads it soon
                 writer.close()
                 self._loop.call_later(CLOSE_GRACE, writer.transport.abort)
@@ -269,7 +340,10 @@ class HttpServer:
                 self._open[client] = left
             else:
                 self._open.pop(client, None)
-            self._tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
+            self._tasks.discard(task)
+            self._closed += 1
+            if self._closed >= TRIM_CONNECTIONS:  # what a burst of them held goes back to the system
+                self._trim_soon()
 
     def _environ(self, writer: asyncio.StreamWriter, address: Any) -> dict[str, Any]:
         """What every request of the connection shares: addresses, scheme and the client's certificate."""
@@ -294,11 +368,17 @@ class HttpServer:
     async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                         base: dict[str, Any]) -> bool:
         """Read one request, answer it; True when the connection stays open for the next one."""
+        await asyncio.sleep(0)  # requests already buffered (pipelined) wait their turn behind other connections'
+        task = asyncio.current_task()
+        assert task is not None
+        self._quiet[task] = None
         try:
             async with asyncio.timeout(self.limits.http_idle_timeout):
                 first = await reader.read(1)
         except asyncio.TimeoutError:
             return False  # idle: closed, nothing refused
+        finally:
+            self._quiet.pop(task, None)
         if not first:
             return False
         deadline = self._loop.time() + self.limits.http_request_timeout
@@ -317,7 +397,12 @@ class HttpServer:
         large = length > LARGE
         if large:
             waited = self._loop.time()
-            await self._budget.take(length)
+            try:
+                async with asyncio.timeout(self.limits.http_request_timeout):
+                    await self._budget.take(length)
+            except asyncio.TimeoutError:
+                self.refused("deadline")
+                return await self._refuse(writer, _Refused(503, "too many large requests at once; try again later"))
             deadline += self._loop.time() - waited
         try:
             if length and environ.get("HTTP_EXPECT", "").lower() == "100-continue":
@@ -340,11 +425,21 @@ class HttpServer:
                     self._trim_soon()
 
     def _trim_soon(self) -> None:
-        """``malloc_trim`` once large bodies have stopped coming for ``TRIM_DELAY`` (one call per burst)."""
-        if self._trimming is not None:
+        """``malloc_trim`` (in a thread) once large bodies and closing connections have stopped coming for
+        ``TRIM_DELAY``: one call per burst, or one every ``TRIM_EVERY`` while a burst lasts."""
+        now = self._loop.time()
+        if self._trimming is None:
+            self._trim_asked = now
+        else:
             self._trimming.cancel()
-        self._trimming = self._loop.call_later(
-            TRIM_DELAY, lambda: self._budget.idle and self._loop.run_in_executor(None, self._trim))
+        self._trimming = self._loop.call_at(min(now + TRIM_DELAY, self._trim_asked + TRIM_EVERY), self._trim_now)
+
+    def _trim_now(self) -> None:
+        self._trimming = None
+        if self._budget.idle:  # else the last large body asks again when it is done
+            self._closed = 0
+            gc.collect()  # a closed connection's protocol, transport and TLS objects refer to each other
+            self._loop.run_in_executor(None, self._trim)
 
     async def _refuse(self, writer: asyncio.StreamWriter, refused: _Refused) -> bool:
         status, headers, chunks = _plain(refused.status, str(refused))

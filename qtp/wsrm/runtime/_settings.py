@@ -80,6 +80,9 @@ class Limits:
     - ``http_handshake_timeout``: seconds a new connection's TLS handshake may take.
     - ``max_connections_per_address``: open HTTP connections (TLS handshakes included) from one client
       address; more are closed as soon as they are accepted.
+    - ``max_connections``: open HTTP connections on the node, from all addresses. At the bound a new
+      connection closes the one that has waited longest without a request under way (in its TLS handshake
+      or between requests); only when every connection is in the middle of a request is the new one closed.
     - ``max_body_memory``: bytes of large request bodies (over 64 KiB) read or being handled at once; a
       request beyond it waits, unread, until earlier ones are done. At least ``max_request_bytes``.
     - ``max_elements``: XML elements in one envelope (each parsed element costs about 130 bytes); a larger
@@ -130,6 +133,7 @@ class Limits:
     http_request_timeout: float = 30.0
     http_handshake_timeout: float = 10.0
     max_connections_per_address: int = 64
+    max_connections: int = 1000
     max_body_memory: int = 8 * 1024 * 1024
     max_elements: int = 100_000
     max_clock_skew: float = 60.0
