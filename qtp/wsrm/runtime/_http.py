@@ -203,7 +203,11 @@ class HttpServer:
     def start(self) -> None:
         """Bind (errors such as a port in use are raised here) and serve in thread ``qtp-http``."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        self._listener = socket.create_server((self.host, self.port), family=family, backlog=128)
+        # A burst of connections waits in the kernel's queue until the loop accepts them; a full queue drops
+        # the next SYN, which the client repeats only after a second: a queue as long as the connections the
+        # node keeps (the kernel caps it at net.core.somaxconn)
+        backlog = max(128, self.limits.max_connections)
+        self._listener = socket.create_server((self.host, self.port), family=family, backlog=backlog)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]  # the one the system chose, for port 0
         self._thread = threading.Thread(target=self._run, name="qtp-http", daemon=True)
