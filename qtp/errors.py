@@ -204,6 +204,11 @@ class AuthenticationError(MessagingError):
     unknown client certificate, or none where the node takes no anonymous requests."""
 
 
+class StaleBoot(AuthenticationError):
+    """A signed request names another start of the receiving node (or none: the sender did not know this
+    one yet): the sender signs it again with the boot the 401 answer gives and sends it once more."""
+
+
 class ProtocolError(MessagingError):
     """An event was not allowed in the state of a WS-RM state machine; the machine is now FAILED."""
 

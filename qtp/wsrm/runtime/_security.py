@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from qtp.errors import AuthenticationError, ConfigurationError
+from qtp.errors import AuthenticationError, ConfigurationError, StaleBoot
 
 HEADER = "X-Qtp-Signature"
 WSGI_HEADER = "HTTP_X_QTP_SIGNATURE"
@@ -200,11 +200,6 @@ def answer_boot(headers: Any) -> str | None:
     """The boot an answer's ``X-Qtp-Boot`` header gives (None: none, or not one a node draws)."""
     boot = headers.get(BOOT_HEADER)
     return boot if boot and _WELL_FORMED["boot"].fullmatch(boot) else None
-
-
-class StaleBoot(AuthenticationError):
-    """A request signed for another start of this node (or before the sender knew this one): the sender
-    signs it again with the boot of the answer and sends it once more."""
 
 
 class SeenSignatures:
