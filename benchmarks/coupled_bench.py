@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             account = etree.fromstring(message.payload).get("id")
             tx.connection("app").execute(sa.text("UPDATE accounts SET status = 'open' WHERE id = :i"),
                                          {"i": account})
+        node.start()
         try:
             for round_no in range(args.rounds):
                 for threads in args.threads:

@@ -45,6 +45,7 @@ class Bank:
             account = etree.fromstring(message.payload).get("id")
             tx.connection("app").execute(sa.text("UPDATE accounts SET status = 'closed' WHERE id = :i"),
                                          {"i": account})
+        self.node.start()
         return self
 
     def close(self) -> None:

@@ -151,3 +151,55 @@ def test_the_same_tree_with_allowed_imports_passes(tmp_path):
         (init / "__init__.py").write_text("")
     (root / "wsrm" / "runtime" / "_m.py").write_text("from qtp.coordinator import install\nimport qtp.errors\n")
     assert violations(root) == []
+
+
+# ------------------------------------------------------------------ no circle inside the runtime
+
+RUNTIME = "qtp.wsrm.runtime"
+
+
+def runtime_cycles(root: Path = QTP) -> list[list[str]]:
+    """The import circles among the runtime's modules (every import counts, wherever it stands: one inside a
+    function or under TYPE_CHECKING is a dependency too). The node assembles the workers; no worker reaches
+    another by importing it back."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((root / "wsrm" / "runtime").rglob("*.py")):
+        module = module_name(path, root)
+        graph.setdefault(module, set())
+        for imp in imports_of(path, root):
+            if imp.target.startswith(RUNTIME + ".") and imp.target != module:
+                graph[module].add(imp.target)
+    cycles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(module: str, trail: list[str]) -> None:
+        if module in trail:
+            cycles.append(trail[trail.index(module):] + [module])
+            return
+        if module in done:
+            return
+        for target in sorted(graph.get(module, ())):
+            visit(target, trail + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    return cycles
+
+
+def test_no_runtime_module_imports_itself_back():
+    assert runtime_cycles() == []
+
+
+def test_the_cycle_check_finds_a_circle_put_back(tmp_path):
+    """The Sender reaching the Receiver again, and the Receiver the Sender: the circle the ports removed."""
+    root = tmp_path / "qtp"
+    runtime = root / "wsrm" / "runtime"
+    runtime.mkdir(parents=True)
+    for init in (root, root / "wsrm", runtime):
+        (init / "__init__.py").write_text("")
+    (runtime / "_sender.py").write_text("def f():\n    from qtp.wsrm.runtime._receiver import Receiver\n")
+    (runtime / "_receiver.py").write_text("from qtp.wsrm.runtime._sender import Sender\n")
+    (runtime / "_node.py").write_text("from qtp.wsrm.runtime._sender import Sender\n")
+    cycles = runtime_cycles(root)
+    assert len(cycles) == 1 and set(cycles[0]) == {"qtp.wsrm.runtime._receiver", "qtp.wsrm.runtime._sender"}

@@ -54,6 +54,7 @@ def test_readme_example_sends_and_applies_one_order(pg_db, maria_db, tmp_path, m
     server: dict = {}
     client: dict = {}
     exec(compile(blocks["shop_server.py"], "README:shop_server.py", "exec"), server)
+    server["node"].start()  # what `qtp serve --app shop_server:node` does after importing it
     try:
         exec(compile(blocks["client.py"], "README:client.py", "exec"), client)
 
@@ -68,12 +69,12 @@ def test_readme_example_sends_and_applies_one_order(pg_db, maria_db, tmp_path, m
         assert rows(pg_url, "SELECT id FROM orders") == [(42,)]
         assert client["tx"].outcome is qtp.Outcome.COMMITTED
         if polling:
-            node = client["tm"].node
+            node = client["node"]
             assert node.endpoint is None and node._server is None and node.mc_address.startswith(
                 "http://docs.oasis-open.org/ws-rx/wsmc/200702/anonymous?id=")
             assert rows(maria_url, "SELECT COUNT(*) FROM qtp_rm_outgoing")[0][0] == 0  # fetched, acknowledged
     finally:
-        if "tm" in client:
-            client["tm"].close()
+        if "node" in client:
+            client["node"].close()
         server["node"].close()
         qtp.install(None)

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 import qtp
 from qtp.embedded import free_port
-from qtp.errors import BacklogFullError, ConfigurationError
+from qtp.errors import BacklogFullError, ConfigurationError, ResourceUnavailableError
 from qtp.testing.nodes import counter
 from qtp.wsrm.codec import (
     BATCH_CONTENT_TYPE,
@@ -70,7 +70,13 @@ def node(pg_db, tmp_path):
         port = free_port()
         settings = NodeSettings(endpoint=f"http://127.0.0.1:{port}/rm", store="app", channels=channels or {},
                                 limits=Limits(**{"retransmit_interval": 0.2, **limits}))
-        n = Node(tm, settings).start()
+        n = Node(tm, settings)
+
+        @n.handler("urn:t:do")
+        def hold(tx, message):  # the messages stay stored: what these tests count
+            raise ResourceUnavailableError("held by the test")
+
+        n.start()
         made.append(n)
         return n, url
 
@@ -148,7 +154,7 @@ def test_messages_are_stored_once_and_acknowledged_after_storing(node):
         assert status == 200 and answer.acks[0].ranges == acknowledged
     status, answer = _post(n, _env(ack_requests=(AckRequested(identifier),), action=None))
     assert answer.acks[0].ranges == ((1, 2),)
-    assert _store_counts(url)[0] == 2  # no handler: both wait, each stored once
+    assert _store_counts(url)[0] == 2  # held by the handler: both wait, each stored once
 
 
 def test_create_sequence_beyond_the_limit_is_refused(node):

@@ -51,7 +51,7 @@ def test_messages_of_a_sequence_the_peer_forgot_are_sent_again_in_their_order(pg
         sender = Node(tm, NodeSettings(store="app", channels={"out": channel},
                                        limits=Limits(max_unacknowledged=3, retransmit_interval=0.2,
                                                      retransmit_interval_max=0.5))).start()
-        store = sender.store_for_route("out")
+        store = sender.stores.for_route("out")
         assert isinstance(store, SqlStore)
         qtp.install(tm)
 

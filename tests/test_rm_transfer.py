@@ -15,7 +15,7 @@ from qtp.embedded import free_port
 from qtp.errors import ConfigurationError
 from qtp.testing.nodes import counter, wait_until
 from qtp.wsrm.runtime import Limits, Node, NodeSettings
-from qtp.wsrm.runtime._sender import _RoundTrip
+from qtp.wsrm.runtime._sequences import RoundTrip as _RoundTrip
 from qtp.wsrm.runtime._settings import ChannelSettings, node_settings
 
 ACTION = "urn:qtp:test/item"

@@ -415,9 +415,8 @@ class TransactionManager:
         flush and unlock the log, release pooled connections."""
         if self._closed:
             return
-        if self.node is not None and self.node.started:
-            self.node.close()  # stops the messaging workers first; it calls close() again
-            return
+        if self.node is not None:
+            self.node.stop()  # the messaging workers first: they use this manager
         self._closed = True
         if self._recovery is not None:
             self._recovery.stop()

@@ -35,10 +35,11 @@ class Coupled:
     presumed-abort sweeps. Each defaults to the node's ``[coupled]`` table (``workers``, ``sweep_interval``,
     ``replies``), else 4 workers, 1 s, no replies.
 
-    ``start=False`` leaves the worker and the start-up sweep to an explicit ``start()``, for an application
-    that registers its coupled handlers first: until then the node keeps coupled control messages waiting.
-    With the default, register the handlers right after ``Coupled(node)``: for 10 s after the start an
-    original whose handler is missing waits for it; after that it is refused (reported "failed").
+    Build it before ``node.start()`` (the node takes no handler once it has started); its worker and its
+    start-up sweep run from the node's start. ``start=False`` leaves them to an explicit ``start()``, for an
+    application that registers its coupled handlers later: until then coupled control messages wait. For
+    10 s after the start an original whose handler is missing waits for it; after that it is refused
+    (reported "failed").
     """
 
     def __init__(self, node: Any, replies: dict[str, str] | None = None, sweep_interval: float | None = None,
@@ -57,6 +58,12 @@ class Coupled:
             tables.create(store.engine)
         node.coupled = self
         self._started = False
+        # the node refuses handlers once it has started: Coupled(node) comes before node.start()
+        self.node.handler(ACTION["Message"])(self.recipient.on_message)
+        self.node.handler(ACTION["Commit"])(self.recipient.on_decision)
+        self.node.handler(ACTION["Abort"])(self.recipient.on_decision)
+        self.node.handler(ACTION["Notify"])(self.sender.on_notify)
+        self.node.handler(ACTION["Status"])(self.sender.on_status)
         if start:
             self.start()
 
@@ -66,13 +73,11 @@ class Coupled:
         if not self._started:
             self._started = True
             self.recipient.started = time.monotonic()
-            self.node.handler(ACTION["Message"])(self.recipient.on_message)
-            self.node.handler(ACTION["Commit"])(self.recipient.on_decision)
-            self.node.handler(ACTION["Abort"])(self.recipient.on_decision)
-            self.node.handler(ACTION["Notify"])(self.sender.on_notify)
-            self.node.handler(ACTION["Status"])(self.sender.on_status)
-            self.sender.sweep(startup=True)
-            self.node.add_worker(self._work, "qtp-coupled")
+            if self.node.started:
+                self.sender.sweep(startup=True)
+                self.node.add_worker(self._work, "qtp-coupled")
+            else:  # the node's tables and workers exist once it starts: sweep then, in the worker
+                self.node.add_worker(self._start_then_work, "qtp-coupled")
         return self
 
     # ------------------------------------------------------------------ the application's API
@@ -114,6 +119,17 @@ class Coupled:
         return self.sender.open_compensations()
 
     # ------------------------------------------------------------------ the worker
+
+    def _start_then_work(self) -> None:
+        self.recipient.started = time.monotonic()
+        while not self.site.stopping.is_set():
+            try:
+                self.sender.sweep(startup=True)
+                break
+            except Exception as exc:  # a database down at start: the sweep is retried, nothing waits on it
+                log.warning("coupled start-up sweep: %s: %s; retrying", type(exc).__name__, exc)
+                self.site.stopping.wait(1.0)
+        self._work()
 
     def _work(self) -> None:
         last_sweep = last_prune = 0.0

@@ -90,13 +90,13 @@ class Site:
         self.node.send(tx, channel, encode(control), action=ACTION[control.kind], key=control.id)
 
     def wake_sender(self) -> None:
-        self.node.sender.wake.set()
+        self.node.wake()
 
     # ------------------------------------------------------------------ peers
 
     def owner(self, message: Any) -> str | None:
         """The authenticated peer that sent ``message`` (None: anonymous)."""
-        info = self.node.receiver.info(message.identifier)
+        info = self.node.destinations.info(message.identifier)
         return None if info is None else info.owner
 
     def peer_of(self, channel: str) -> str | None:

@@ -179,15 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  the nodes authenticate each other (HMAC, a secret made for this run); an unsigned request gets "
           f"HTTP {stranger.status_code}", flush=True)
 
-    tm = qtp.TransactionManager.from_config(client_config)   # the client node: recovery, sender, endpoint
-    qtp.install(tm)
+    node = qtp.Node.from_config(client_config)   # the client node, recovered; handlers first, then start
     replies = {"n": 0}
 
-    @tm.node.reply_handler("orders")
+    @node.reply_handler("orders")
     def confirmed(tx, reply):
         order = int(re.search(rb"<id>(\d+)</id>", reply.payload).group(1))
         tx.connection("app").execute(text("UPDATE orders SET status = 'confirmed' WHERE id = :id"), {"id": order})
         replies["n"] += 1
+
+    node.start()                                 # the sender, and the endpoint the replies come back to
+    qtp.install(node.manager)
+    tm = node.manager
 
     stats: dict = {}
     lock = threading.Lock()

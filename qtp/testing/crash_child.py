@@ -49,6 +49,8 @@ def child_main(config: str, out_fd: int, in_fd: int | None, transfers: int | Non
     if spec is not None:
         failpoints.configure(spec)
     manager = TransactionManager.from_config(config)
+    if manager.node is not None:
+        manager.node.start()
     report = getattr(manager._recovery, "last_report", None)
     _emit(out_fd, "READY " + _report_json(report))
     while in_fd is not None:

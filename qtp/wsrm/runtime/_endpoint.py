@@ -32,7 +32,7 @@ import hmac
 import logging
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 from urllib.parse import urlsplit
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -66,8 +66,13 @@ from qtp.wsrm.runtime._security import (
 )
 from qtp.wsrm.runtime._transport import content_type, soap_version_of, wire
 
-if TYPE_CHECKING:
-    from qtp.wsrm.runtime._node import Node
+
+class Receiving(Protocol):
+    """What the endpoint hands a decoded request to (the receiver)."""
+
+    def handle(self, env: Envelope, caller: str | None = None) -> Any: ...
+
+    def handle_batch(self, envelopes: list[Envelope], caller: str | None = None) -> Any: ...
 
 log = logging.getLogger("qtp.wsrm.endpoint")
 
@@ -121,15 +126,21 @@ class _Room:
 
 
 class Endpoint:
-    """``Endpoint(node)`` is the WSGI application of ``node``."""
+    """The WSGI application of a node: authenticates, bounds and decodes requests for ``receiver``; serves
+    ``/metrics`` and ``/health`` (``started``: whether the node takes messages yet)."""
 
-    def __init__(self, node: "Node"):
-        self.node = node
-        self.security = node.settings.security
-        self.path = (urlsplit(node.endpoint).path if node.endpoint else "") or "/"
-        self.anonymous = self.security.anonymous_allowed(node.settings.listen_host())
-        self.seen = SeenSignatures(node.limits.max_clock_skew)
-        self._parsing = _Room(2 * node.limits.max_elements)
+    def __init__(self, node_id: str, endpoint: str | None, limits: Any, security: Any, listen_host: str | None,
+                 metrics: Any, receiver: Receiving, started: Callable[[], bool]):
+        self.node_id = node_id
+        self.limits = limits
+        self.metrics = metrics
+        self.receiver = receiver
+        self.started = started
+        self.security = security
+        self.path = (urlsplit(endpoint).path if endpoint else "") or "/"
+        self.anonymous = self.security.anonymous_allowed(listen_host)
+        self.seen = SeenSignatures(limits.max_clock_skew)
+        self._parsing = _Room(2 * limits.max_elements)
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         boot = (BOOT_HEADER, self.seen.boot)
@@ -144,11 +155,11 @@ class Endpoint:
             if token is not None and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
                 return _plain(start_response, 401, "metrics need Authorization: Bearer TOKEN",
                               [("WWW-Authenticate", 'Bearer realm="qtp"')])
-            body, media = self.node.metrics.exposition()
+            body, media = self.metrics.exposition()
             start_response("200 OK", [("Content-Type", media), ("Content-Length", str(len(body)))])
             return [body]
         if path == "/health" and method == "GET":
-            return _plain(start_response, 200 if self.node.started else 503, "ok" if self.node.started else "starting")
+            return _plain(start_response, 200 if self.started() else 503, "ok" if self.started() else "starting")
         if path.rstrip("/") != self.path.rstrip("/"):
             return _plain(start_response, 404, f"SOAP messages go to {self.path}; GET /health, GET /metrics")
         if method != "POST":
@@ -156,7 +167,7 @@ class Endpoint:
         length = environ.get("CONTENT_LENGTH") or ""
         if not length.isdigit():
             return _plain(start_response, 411, "a Content-Length is required")
-        limit = self.node.limits.max_request_bytes
+        limit = self.limits.max_request_bytes
         if int(length) > limit:
             return _plain(start_response, 413, f"the request is over this node's limit of {limit} bytes",
                           [("Connection", "close")])
@@ -165,13 +176,13 @@ class Endpoint:
             request = self._authenticate(environ, path, data)
         except StaleBoot as exc:  # each signing peer once after either node starts; a replay of an earlier start
             log.info("refused a request from %s: %s", environ.get("REMOTE_ADDR", "?"), exc)
-            self.node.metrics.refused.labels(reason="boot").inc()
+            self.metrics.refused.labels(reason="boot").inc()
             return _plain(start_response, 401, "signed for another start of this node: sign again naming the "
                           "boot in X-Qtp-Boot", [("WWW-Authenticate", 'QtpHmac realm="qtp"')])
         except AuthenticationError as exc:
             refusals.warn(log, "unauthenticated", "refused a request from %s: %s", environ.get("REMOTE_ADDR", "?"),
                           exc)
-            self.node.metrics.refused.labels(reason="unauthenticated").inc()
+            self.metrics.refused.labels(reason="unauthenticated").inc()
             return _plain(start_response, 401, "not authenticated: sign requests as [peers] says, or present a "
                           "client certificate this node knows", [("WWW-Authenticate", 'QtpHmac realm="qtp"')])
         media = (environ.get("CONTENT_TYPE") or "").split(";", 1)[0].strip().lower()
@@ -186,7 +197,7 @@ class Endpoint:
         header = environ.get(WSGI_HEADER)
         signed = None
         if header:
-            signed = verify_request(self.security, header, "POST", path, data, self.node.manager.node_id, self.seen)
+            signed = verify_request(self.security, header, "POST", path, data, self.node_id, self.seen)
         certified = certificate_peer(self.security, environ)
         if certified is None and signed is None and environ.get("SSL_CLIENT_VERIFY") == "SUCCESS":
             raise AuthenticationError("the client certificate names no peer of this node")
@@ -201,20 +212,20 @@ class Endpoint:
                 start_response: StartResponse) -> list[bytes]:
         status, headers, body = answer
         if request.signature is not None and request.secret is not None:
-            headers.append((HEADER, sign_response(request.secret, self.node.manager.node_id, request.signature,
+            headers.append((HEADER, sign_response(request.secret, self.node_id, request.signature,
                                                   status, body)))
         start_response(_REASONS[status], headers)
         return [body]
 
     def _batch(self, data: bytes, request: _Request) -> tuple[int, list[tuple[str, str]], bytes]:
         """qtp's batching extension: several standard envelopes in one request (see qtp.wsrm.codec._batch)."""
-        limits = self.node.limits
+        limits = self.limits
         try:
             envelopes = [self._decode(part) for part in decode_batch(data, limits.max_batch)]
         except InvalidMessage as exc:
             log.info("refused a batch: %s%s", exc, _cause(exc))
             return self._respond(_bare_fault(SoapVersion.SOAP12, "Sender", str(exc)), 400)
-        return self._answer(envelopes[0], lambda: self.node.receiver.handle_batch(envelopes, request.caller))
+        return self._answer(envelopes[0], lambda: self.receiver.handle_batch(envelopes, request.caller))
 
     def _soap(self, soap: SoapVersion, data: bytes, request: _Request) -> tuple[int, list[tuple[str, str]], bytes]:
         try:
@@ -222,15 +233,15 @@ class Endpoint:
         except InvalidMessage as exc:
             log.info("refused a request: %s%s", exc, _cause(exc))
             return self._respond(_bare_fault(soap, "Sender", str(exc)), 400 if soap is SoapVersion.SOAP12 else 500)
-        return self._answer(envelope, lambda: self.node.receiver.handle(envelope, request.caller))
+        return self._answer(envelope, lambda: self.receiver.handle(envelope, request.caller))
 
     def _decode(self, data: bytes) -> Envelope:
-        limits = self.node.limits
+        limits = self.limits
         with self._parsing.hold(min(most_elements(data), limits.max_elements + 1)):
             return decode(data, max_bytes=limits.max_request_bytes, max_elements=limits.max_elements)
 
     def _answer(self, envelope: Envelope, handle: Callable[[], Any]) -> tuple[int, list[tuple[str, str]], bytes]:
-        if not self.node.started:
+        if not self.started():
             return self._respond(_bare_fault(envelope.soap, "Receiver", "the node is starting"), 503)
         try:
             answer = handle()

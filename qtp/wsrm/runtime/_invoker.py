@@ -30,10 +30,9 @@ import hashlib
 import heapq
 import logging
 import threading
-import time
 import traceback
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, ContextManager
 
 from qtp.coordinator.failpoints import failpoint
 from sqlalchemy.exc import SQLAlchemyError
@@ -53,11 +52,12 @@ from qtp.wsrm.protocol import (
     SequenceCompleted,
 )
 from qtp.wsrm.protocol import _ranges as ranges
-from qtp.wsrm.runtime._receiver import new_message_id
-from qtp.wsrm.store import Buffered, Incoming, Outgoing
-
-if TYPE_CHECKING:
-    from qtp.wsrm.runtime._node import Node
+from qtp.wsrm.runtime._ids import new_message_id
+from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock, Handlers
+from qtp.wsrm.runtime._sequences import Destinations
+from qtp.wsrm.runtime._settings import Limits
+from qtp.wsrm.runtime._stores import Enlisted
+from qtp.wsrm.store import Incoming, Outgoing, Store
 
 log = logging.getLogger("qtp.wsrm.invoker")
 
@@ -92,7 +92,8 @@ class _Batch:
 class _Schedule:
     """Work items with a due time; ``get`` blocks until one is due (or ``timeout``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
         self._heap: list[tuple[float, int, tuple[str, int]]] = []
         self._counter = 0
         self._cond = threading.Condition()
@@ -104,10 +105,10 @@ class _Schedule:
             self._cond.notify()
 
     def get(self, timeout: float) -> tuple[str, int] | None:
-        deadline = time.time() + timeout
+        deadline = self._clock.time() + timeout
         with self._cond:
             while True:
-                now = time.time()
+                now = self._clock.time()
                 if self._heap and self._heap[0][0] <= now:
                     return heapq.heappop(self._heap)[2]
                 wait = deadline - now
@@ -141,13 +142,26 @@ class _AlreadyApplied(Exception):
 
 
 class Invoker:
-    def __init__(self, node: "Node"):
-        self.node = node
-        self.store = node.inbound_store
+    """Applies the inbound store's messages. ``_mutex`` guards the per-sequence buffers (``_machines``), the
+    cache and the outage counts; it is never held while a handler runs or the store is used."""
+
+    def __init__(self, limits: Limits, store: Store, destinations: Destinations, handlers: Handlers,
+                 transaction: Callable[[], ContextManager[Any]], enlist: Callable[[Any], Enlisted],
+                 finished: Callable[[str], None], metrics: Any, wake: Callable[[], None],
+                 clock: Clock = SYSTEM_CLOCK):
+        self.limits = limits
+        self.store = store
+        self.destinations = destinations
+        self.handlers = handlers
+        self._transaction = transaction
+        self._enlist = enlist
+        self._finished = finished
+        self.metrics = metrics
+        self._wake = wake
+        self.clock = clock
         self._machines: dict[str, InvokerBuffer] = {}
         self._mutex = threading.RLock()
-        self._schedule = _Schedule()
-        self._parked: set[tuple[str, int]] = set()  # waiting for a handler to be registered
+        self._schedule = _Schedule(clock)
         self._cache: dict[tuple[str, int], Incoming] = {}  # just stored, not yet applied
         self._outages: dict[tuple[str, int], int] = {}  # transient failures in a row, per message (not attempts)
         self._threads: list[threading.Thread] = []
@@ -170,7 +184,7 @@ class Invoker:
         for message in stored:
             self.stored(message.identifier, message.number)
         for identifier in list(self._machines):
-            record = self.node.receiver.record(identifier)
+            record = self.destinations.record(identifier)
             if record is not None and record.end_reason is not None:
                 self.completed(identifier, record.received)
 
@@ -234,19 +248,12 @@ class Invoker:
             elif isinstance(a, DeliveryFinished):
                 with self._mutex:
                     self._machines.pop(a.identifier, None)
-                self.node.receiver.finished(a.identifier)
-
-    def handler_registered(self) -> None:
-        """A handler was registered: retry the messages that were waiting for one."""
-        with self._mutex:
-            parked, self._parked = self._parked, set()
-        for item in parked:
-            self._schedule.put(item)
+                self._finished(a.identifier)
 
     # ------------------------------------------------------------------ workers
 
     def start(self) -> None:
-        for i in range(self.node.limits.invoker_threads):
+        for i in range(self.limits.invoker_threads):
             thread = threading.Thread(target=self._work, name=f"qtp-invoker-{i}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -259,44 +266,48 @@ class Invoker:
 
     def _work(self) -> None:
         while not self._stopping:
-            item = self._schedule.get(timeout=0.5)
-            if item is None:
-                continue
-            try:
-                self._deliver(*item)
-            except Exception:  # the worker survives; the message stays stored and in flight is released
-                log.exception("delivering %s #%d failed unexpectedly", *item)
-                self._abort(item[0], item[1], at=time.time() + 1.0)
+            self.step(timeout=0.5)
+
+    def step(self, timeout: float = 0.0) -> bool:
+        """Deliver one due message (waiting up to ``timeout`` for one); False when none was due. The worker
+        threads loop on it; a test drives it directly with a fake clock."""
+        item = self._schedule.get(timeout=timeout)
+        if item is None:
+            return False
+        try:
+            self._deliver(*item)
+        except Exception:  # the worker survives; the message stays stored and in flight is released
+            log.exception("delivering %s #%d failed unexpectedly", *item)
+            self._abort(item[0], item[1], at=self.clock.time() + 1.0)
+        return True
 
     def _deliver(self, identifier: str, number: int) -> None:
-        batch = self.node.limits.invoker_batch if identifier != REDELIVERY else 1
+        batch = self.limits.invoker_batch if identifier != REDELIVERY else 1
         found = self._cached(identifier, number, batch)
         if not found:
             with self.store.local() as s:
                 found = self.store.incoming(s, identifier, start=number, limit=batch)
         if not found or found[0].number != number:
-            record = self.node.receiver.record(identifier)
+            record = self.destinations.record(identifier)
             if identifier != REDELIVERY and (record is None or not ranges.contains(record.received, number)):
-                self._abort(identifier, number, at=time.time() + 0.2)  # not stored yet: look again soon
+                self._abort(identifier, number, at=self.clock.time() + 0.2)  # not stored yet: look again soon
                 return
             self._committed(identifier, number)  # stored once and consumed since: applied before
             return
         message = found[0]
-        now = time.time()
+        now = self.clock.time()
         if message.not_before > now:
             self._schedule.put((identifier, number), at=message.not_before)
             return
         if message.payload is None and message.action.endswith("/LastMessage"):
             self._finish_without_handler(message)
             return
-        info = self.node.receiver.info(identifier)
-        with self._mutex:  # checked and parked atomically: a handler registered now cannot be missed
-            handler = self.node.handler_for(message, info)
-            if handler is None:
-                self._parked.add((identifier, number))
-        if handler is None:
-            log.warning("no handler for action %r (sequence %s #%d); it waits until one is registered",
-                        message.action, identifier, number)
+        info = self.destinations.info(identifier)
+        handler = self.handlers.for_message(message, info)
+        if handler is None:  # stored under another set of handlers (before a restart), or a reply without one
+            self._failed(message, MessageRefusedError(f"no handler is registered for action {message.action!r}"
+                                                      + (" (replies of channel " + info.channel + ")"
+                                                         if info is not None and info.channel else "")))
             return
         following = self._batchable(message, found[1:], handler, info, now)
         if following:
@@ -312,7 +323,7 @@ class Invoker:
             self._committed(identifier, number)
         except OutcomeUnknownError as exc:
             log.error("delivery of %s #%d: %s; it is tried again after recovery", identifier, number, exc)
-            self._abort(identifier, number, at=time.time() + self.node.limits.retry_backoff_max)
+            self._abort(identifier, number, at=self.clock.time() + self.limits.retry_backoff_max)
         except Exception as exc:
             self._failed(message, exc)
 
@@ -343,7 +354,7 @@ class Invoker:
         expected = head.number + 1
         for m in rest:
             if m.number != expected or m.attempts or m.not_before > now or m.payload is None \
-                    or ranges.contains(record.delivered, m.number) or self.node.handler_for(m, info) is not handler:
+                    or ranges.contains(record.delivered, m.number) or self.handlers.for_message(m, info) is not handler:
                 break
             batch.append(m)
             expected += 1
@@ -362,23 +373,15 @@ class Invoker:
     def _apply(self, handler: Callable[..., Any], messages: list[Incoming]) -> None:
         """One global transaction: for each message its dequeue, its handler, its reply; then the record.
         Several messages share it only as a whole: all their effects commit together or none does."""
-        node = self.node
         identifier = messages[0].identifier
-        record = self._delivered_record(identifier, [m.number for m in messages])
-        with node.manager.transaction() as tx:
-            if node.inbound_mode == "xa":
-                session: Any = tx.connection(node.settings.store)
-            else:
-                session = Buffered(self.store)
-                tx.on_commit(session.replay)
-            numbers = [m.number for m in messages]
-            if isinstance(session, Buffered):
-                session.record("consume_many", identifier, numbers)
-                fresh = messages
-            else:
-                if self.store.consume_many(session, identifier, numbers) != len(numbers):
-                    raise _AlreadyApplied()
-                fresh = self._not_applied_before(session, messages)
+        numbers = [m.number for m in messages]
+        record = self._delivered_record(identifier, numbers)
+        with self._transaction() as tx:
+            queue = self._enlist(tx)
+            consumed = queue("consume_many", identifier, numbers)
+            if queue.atomic and consumed != len(numbers):
+                raise _AlreadyApplied()
+            fresh = self._not_applied_before(queue, messages) if queue.atomic else messages
             if isinstance(handler, _Batch):
                 results = handler.apply(tx, fresh) if fresh else []
             else:
@@ -386,34 +389,28 @@ class Invoker:
             for message, result in zip(fresh, results):
                 reply = self._reply(message, result)
                 if reply is not None:
-                    self._write(session, "enqueue", reply)
-                    tx.on_commit(node.sender.wake.set)
-            self._write(session, "save_invoker", record)
+                    queue("enqueue", reply)
+                    tx.on_commit(self._wake)
+            queue("save_invoker", record)
         failpoint("after_apply_before_ack")
-        now = time.time()
+        now = self.clock.time()
         for message in messages:
-            node.metrics.delivered.inc()
-            node.metrics.latency.observe(max(0.0, now - (message.enqueued_at or message.received_at)))
+            self.metrics.delivered.inc()
+            self.metrics.latency.observe(max(0.0, now - (message.enqueued_at or message.received_at)))
         self._committed(identifier, messages[0].number, [m.number for m in messages[1:]])
 
-    def _not_applied_before(self, session: Any, messages: list[Incoming]) -> list[Incoming]:
+    def _not_applied_before(self, queue: Enlisted, messages: list[Incoming]) -> list[Incoming]:
         """The messages whose MessageID was not applied before (under another sequence: their sender sent them
         again after the destination forgot the first one), remembered as applied by this transaction."""
-        info = self.node.receiver.info(messages[0].identifier)
+        info = self.destinations.info(messages[0].identifier)
         keys = [applied_key(None if info is None else info.owner, m.message_id) for m in messages]
-        seen = self.store.applied_before(session, keys)
+        seen = queue("applied_before", keys)
         for m, key in zip(messages, keys):
             if key in seen:
                 log.warning("message %s (%s #%d) was applied before, under another sequence; consumed, not "
                             "applied again", m.message_id, m.identifier, m.number)
-        self.store.remember_applied(session, [key for key in keys if key not in seen], time.time())
+        queue("remember_applied", [key for key in keys if key not in seen], self.clock.time())
         return [m for m, key in zip(messages, keys) if key not in seen]
-
-    def _write(self, session: Any, method: str, *args: Any) -> None:
-        if isinstance(session, Buffered):
-            session.record(method, *args)
-        else:
-            getattr(self.store, method)(session, *args)
 
     def _reply(self, message: Incoming, result: Any, fault: str | None = None) -> Outgoing | None:
         """The reply (or fault) to enqueue, when the peer offered a sequence for replies."""
@@ -423,14 +420,14 @@ class Invoker:
             result = result.encode("utf-8")
         if result is not None:
             check_payload(result)  # a handler returning bad XML fails here, not forever at the sender
-        record = self.node.receiver.record(message.identifier)
+        record = self.destinations.record(message.identifier)
         if record is None or record.accepted_offer is None:
             log.warning("sequence %s offered no sequence for replies: the reply to %s is dropped",
                         message.identifier, message.message_id)
             return None
-        info = self.node.receiver.info(message.identifier)
+        info = self.destinations.info(message.identifier)
         wsa = WsaVersion(info.wsa) if info is not None else WsaVersion.WSA200508
-        now = time.time()
+        now = self.clock.time()
         return Outgoing(route=f"offer:{record.accepted_offer}", message_id=new_message_id(now),
                         action=WSA_FAULT_ACTION[wsa] if fault is not None else message.action + "Response",
                         payload=result, enqueued_at=now, relates_to=message.message_id, fault=fault)
@@ -474,10 +471,10 @@ class Invoker:
                 self._schedule.put((a.identifier, a.number), at=at if a.number == number else 0.0)
 
     def _failed(self, message: Incoming, exc: BaseException) -> None:
-        limits = self.node.limits
+        limits = self.limits
         self._uncache(message.identifier, [message.number])  # its attempts change: read it back next time
         error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        now = time.time()
+        now = self.clock.time()
         if transient(exc):  # an outage delays the message and never ends it: only a refusal counts
             key = (message.identifier, message.number)
             outages = self._outages[key] = self._outages.get(key, 0) + 1
@@ -508,7 +505,7 @@ class Invoker:
 
     def _peer_of(self, identifier: str) -> str | None:
         """The peer that owns inbound sequence ``identifier`` (None: an anonymous one, or redeliveries)."""
-        info = self.node.receiver.info(identifier)
+        info = self.destinations.info(identifier)
         return None if info is None else info.owner
 
     def _dead_letters_full(self, peer: str | None) -> bool:
@@ -516,14 +513,14 @@ class Invoker:
         hold another's sequence. The counts are read from the store when first needed and then kept here: only
         this process adds dead letters, and ``qtp dead-letters retry|drop`` only removes them, so a kept count
         is never too low. A peer at its cap is read again (at most once a second) to see an operator's drops."""
-        cap = self.node.limits.max_dead_letters
+        cap = self.limits.max_dead_letters
         with self._dead_mutex:
             counts = self._dead_counts
-            stale = counts is not None and counts.get(peer, 0) >= cap and time.monotonic() - self._dead_read_at >= 1.0
+            stale = counts is not None and counts.get(peer, 0) >= cap and self.clock.monotonic() - self._dead_read_at >= 1.0
             if counts is None or stale:
                 with self.store.local() as s:
                     counts = self._dead_counts = self.store.dead_letters_per_peer(s)
-                self._dead_read_at = time.monotonic()
+                self._dead_read_at = self.clock.monotonic()
             return counts.get(peer, 0) >= cap
 
     def _counted_dead_letter(self, peer: str | None) -> None:
@@ -551,10 +548,10 @@ class Invoker:
             self._write_dead_letter(message, error, now, record, None, peer)
         self._counted_dead_letter(peer)
         log.error("message %s (%s #%d from %s) is a dead letter after %d attempts: %s", message.message_id,
-                  message.identifier, message.number, _peer_name(peer), self.node.limits.max_attempts, error)
-        self.node.metrics.dead_lettered.inc()
+                  message.identifier, message.number, _peer_name(peer), self.limits.max_attempts, error)
+        self.metrics.dead_lettered.inc()
         if fault is not None:
-            self.node.sender.wake.set()
+            self._wake()
         self._committed(message.identifier, message.number)
 
     def _write_dead_letter(self, message: Incoming, error: str, now: float, record: Any,

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Mapping
 from urllib.parse import quote
 
 from qtp.errors import TransportError
@@ -49,12 +48,12 @@ from qtp.wsrm.codec import (
     mc_id,
 )
 from qtp.wsrm.protocol import CreateSequence, RMVersion, SequenceAcknowledgement
+from qtp.wsrm.runtime._answers import NOTHING, Answer, fault
 from qtp.wsrm.runtime._ownership import Source
-from qtp.wsrm.runtime._receiver import Answer
-from qtp.wsrm.runtime._transport import wire
-
-if TYPE_CHECKING:
-    from qtp.wsrm.runtime._node import Node
+from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock
+from qtp.wsrm.runtime._security import Security
+from qtp.wsrm.runtime._sequences import Destinations, Sources
+from qtp.wsrm.runtime._transport import Transport, wire
 
 log = logging.getLogger("qtp.wsrm.mailbox")
 
@@ -74,8 +73,16 @@ class _Held:
 
 
 class Mailbox:
-    def __init__(self, node: "Node"):
-        self.node = node
+    """What is held for peers that poll. ``_mutex`` guards the boxes; it is never held while anything else
+    is locked or read."""
+
+    def __init__(self, limits: Any, metrics: Any, sources: Sources, destinations: Destinations,
+                 clock: Clock = SYSTEM_CLOCK):
+        self.limits = limits
+        self.metrics = metrics
+        self.sources = sources
+        self.destinations = destinations
+        self.clock = clock
         self._mutex = threading.Lock()
         self._boxes: dict[tuple[str | None, str], dict[tuple[Any, ...], _Held]] = {}
 
@@ -116,25 +123,25 @@ class Mailbox:
 
     def answer(self, env: Envelope, poll: MakeConnection, caller: str | None) -> Answer:
         """The answer to a MakeConnection from ``caller``: one held message (200), nothing (202), or a fault."""
-        metrics = self.node.metrics
+        metrics = self.metrics
         if poll.unsupported:
             metrics.polls.labels(result="fault").inc()
-            return self.node.receiver.fault(env, SoapFault(
+            return fault(env, SoapFault(
                 "Receiver", UNSUPPORTED_SELECTION, "The extension element used in the message selection is not "
                 "supported by the MakeConnection receiver", unsupported=poll.unsupported))
         if poll.address is None and poll.identifier is None:
             metrics.polls.labels(result="fault").inc()
-            return self.node.receiver.fault(env, SoapFault("Receiver", MISSING_SELECTION,
-                                                           "The MakeConnection element did not contain any selection criteria"))
+            return fault(env, SoapFault("Receiver", MISSING_SELECTION,
+                                        "The MakeConnection element did not contain any selection criteria"))
         client = mc_id(poll.address)
         if poll.address is not None and client is None:
             metrics.polls.labels(result="fault").inc()
-            return self.node.receiver.fault(env, SoapFault("Receiver", UNSUPPORTED_SELECTION,
-                                                           "the Address is not a WS-MakeConnection anonymous URI"))
+            return fault(env, SoapFault("Receiver", UNSUPPORTED_SELECTION,
+                                        "the Address is not a WS-MakeConnection anonymous URI"))
         envelope, more = self.take(caller, client, poll.identifier)
         if envelope is None:
             metrics.polls.labels(result="empty").inc()
-            return Answer(None, 202)
+            return NOTHING
         metrics.polls.labels(result="message").inc()
         return Answer(replace(envelope, message_pending=more), 200)
 
@@ -144,7 +151,7 @@ class Mailbox:
         first, with the acknowledgements held for the same client riding along; then lone acknowledgements;
         then control messages."""
         self._drop_acknowledged()
-        now, again = time.monotonic(), self.node.limits.retransmit_interval
+        now, again = self.clock.monotonic(), self.limits.retransmit_interval
         with self._mutex:
             boxes = [box for (o, c), box in self._boxes.items() if o == owner and client in (None, c)]
             chosen = [(slot, held, box) for box in boxes for slot, held in box.items()
@@ -158,8 +165,9 @@ class Mailbox:
             ready.sort(key=lambda r: (order[r[0][0]], r[1].key or "", r[1].number or 0))
             slot, held, box = ready[0]
             envelope = held.envelope
-            if held.key is not None:
-                self.node.sender.polled(held.key)
+            seq = None if held.key is None else self.sources.get(held.key)
+            if seq is not None and seq.offered:  # a poll took something of it: it lives on
+                seq.polled = True
             if slot[0] == "message":  # the acknowledgements waiting for this client ride along
                 held.given_at = now
                 acks = [(s, h, b) for s, h, b in ready if s[0] == "ack" and b is box]
@@ -177,17 +185,20 @@ class Mailbox:
         node has forgotten, control messages of outbound sequences it has forgotten, and empty boxes."""
         with self._mutex:
             entries = [(box, slot, held) for box in self._boxes.values() for slot, held in box.items()]
-        sender, receiver = self.node.sender, self.node.receiver
-        waiting = {key: sender.unacknowledged(key) for key in {h.key for _, s, h in entries if s[0] == "message"}}
+        waiting = {key: self._unacknowledged(key) for key in {h.key for _, s, h in entries if s[0] == "message"}}
         gone = [(box, slot) for box, slot, held in entries
                 if (slot[0] == "message" and held.number not in waiting[held.key])
-                or (slot[0] == "ack" and receiver.record(held.identifier or "") is None)
-                or (slot[0] == "control" and not sender.has(held.key or ""))]
+                or (slot[0] == "ack" and (held.identifier or "") not in self.destinations)
+                or (slot[0] == "control" and (held.key or "") not in self.sources)]
         with self._mutex:
             for box, slot in gone:
                 box.pop(slot, None)
             for key in [k for k, box in self._boxes.items() if not box]:
                 del self._boxes[key]
+
+    def _unacknowledged(self, key: str | None) -> set[int]:
+        seq = None if key is None else self.sources.get(key)
+        return set() if seq is None else seq.unacknowledged()
 
     def waiting(self) -> dict[tuple[str | None, str], int]:
         """Messages held per (peer, WS-MC id), for /metrics and the log."""
@@ -199,17 +210,23 @@ class Mailbox:
 class Poller:
     """The MakeConnection loop of a node without an endpoint, one thread per peer of its reply channels."""
 
-    def __init__(self, node: "Node", address: str):
-        self.node = node
+    def __init__(self, address: str, channels: Mapping[str, Any], limits: Any, transport: Transport, metrics: Any,
+                 security: Security, handle: Callable[[Envelope, Source], Answer]):
         self.address = address
+        self.channels = channels
+        self.limits = limits
+        self.transport = transport
+        self.metrics = metrics
+        self.security = security
+        self._handle = handle
         self._acks: dict[str, dict[str, SequenceAcknowledgement]] = {}
         self._mutex = threading.Lock()
 
     def peers(self) -> list[str]:
-        return sorted({c.peer for c in self.node.channels.values() if _polled(c)})
+        return sorted({c.peer for c in self.channels.values() if _polled(c)})
 
     def run(self, peer: str, stopping: threading.Event) -> None:
-        limits = self.node.limits
+        limits = self.limits
         delay = limits.poll_interval_min
         while not stopping.is_set():
             try:
@@ -224,8 +241,7 @@ class Poller:
 
     def poll(self, peer: str) -> tuple[bool, bool]:
         """One MakeConnection to ``peer``: (a message came, the peer says more wait)."""
-        node = self.node
-        channel = next(c for c in node.channels.values() if _polled(c) and c.peer == peer)
+        channel = next(c for c in self.channels.values() if _polled(c) and c.peer == peer)
         wsa = channel.wsa
         with self._mutex:
             acks = tuple(self._acks.pop(peer, {}).values())
@@ -233,12 +249,12 @@ class Poller:
                         addressing=Addressing(action=MAKE_CONNECTION_ACTION, to=peer,
                                               message_id=f"urn:uuid:{uuid.uuid4()}", reply_to=anonymous(wsa)))
         try:
-            reply = node.transport.post(peer, wire(poll), poll.soap, MAKE_CONNECTION_ACTION)
+            reply = self.transport.post(peer, wire(poll), poll.soap, MAKE_CONNECTION_ACTION)
         except TransportError as exc:
             log.debug("poll of %s failed: %s", peer, exc)
             self._keep(peer, acks)
             return False, False
-        node.metrics.polls.labels(result="sent").inc()
+        self.metrics.polls.labels(result="sent").inc()
         if not reply.body.strip():
             return False, False
         try:
@@ -252,13 +268,13 @@ class Poller:
         if isinstance(message.body, CreateSequence):  # a peer we poll cannot open sequences here
             log.warning("%s answered a poll with a CreateSequence; ignored", peer)
             return False, False
-        answer = node.receiver.handle(message, Source.answer(node.settings.security, peer))
+        answer = self._handle(message, Source.answer(self.security, peer))
         back = answer.envelope
         if back is not None and back.body is None and back.sequence is None and not back.ack_requests:
             self._keep(peer, back.acks)  # on the next poll
         elif back is not None:
             try:
-                node.transport.post(peer, wire(back), back.soap, back.addressing.action)
+                self.transport.post(peer, wire(back), back.soap, back.addressing.action)
             except TransportError as exc:
                 log.debug("answer to a polled message not delivered to %s: %s", peer, exc)
         return True, bool(message.message_pending)

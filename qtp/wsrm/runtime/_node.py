@@ -2,19 +2,26 @@
 
 ::
 
-    node = qtp.Node.from_config("server.toml")        # starts everything the file describes
+    node = qtp.Node.from_config("server.toml")        # recovered, not started
 
     @node.handler("urn:shop:place")
     def place(tx, message):                           # in a global transaction with the dequeue
         tx.connection("app").execute(...)
         return b"<ack xmlns='urn:shop'>ok</ack>"     # optional reply, sent back reliably
 
-    with qtp.transaction() as tx:                     # on a node with [channels.orders]
+    node.start()                                      # or `with node:`, or `qtp serve --app module:node`
+
+    with node.manager.transaction() as tx:            # on a node with [channels.orders]
         tx.send("orders", b"<order/>", action="urn:shop:place")
 
-Start-up order: the transaction manager recovers the node's in-doubt transactions first (so store rows
-locked by prepared branches are settled), then the stores' tables are created if missing, the machines are
-rebuilt from the stores, and only then do the workers and the HTTP server start.
+Life cycle: a node is *built* (``Node(manager, settings)`` or ``from_config``: the transaction manager has
+recovered its in-doubt transactions, so store rows locked by prepared branches are settled), its handlers
+are *registered*, and then it *starts*: the stores' tables are created if missing, the machines rebuilt
+from the stores, and only then do the workers and the HTTP server start, with every handler known (a
+handler registered after the start is refused). ``close()`` stops the workers, then closes the manager.
+
+Node only assembles the parts: each worker is given, when it is built, the few collaborators it uses
+(``_ports``), and none of them holds the node.
 """
 
 from __future__ import annotations
@@ -22,28 +29,25 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
-import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-import sqlalchemy
-
 from qtp.errors import BacklogFullError, ConfigurationError
-from qtp.xa import share_tls_context
-from qtp.wsrm.codec import Addressing, Envelope, WsaVersion, anonymous, check_payload, mc_id
-from qtp.wsrm.codec._names import action as rm_action
-from qtp.wsrm.protocol import RMVersion, SequenceAcknowledgement
+from qtp.wsrm.codec import check_payload
 from qtp.wsrm.runtime._endpoint import Endpoint
 from qtp.wsrm.runtime._http import HttpServer
+from qtp.wsrm.runtime._ids import new_message_id
 from qtp.wsrm.runtime._invoker import BatchHandler, Invoker, Message, _Batch
 from qtp.wsrm.runtime._mailbox import Mailbox, Poller, node_address
 from qtp.wsrm.runtime._metrics import Metrics
+from qtp.wsrm.runtime._offers import Offers
 from qtp.wsrm.runtime._ownership import Ownership
-from qtp.wsrm.runtime._receiver import Receiver, new_message_id
-from qtp.wsrm.runtime._sender import Sender
+from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Wake
+from qtp.wsrm.runtime._receiver import Receiver
 from qtp.wsrm.runtime._security import BOOT_HEADER
+from qtp.wsrm.runtime._sender import Sender
+from qtp.wsrm.runtime._sequences import Destinations, Sources
 from qtp.wsrm.runtime._settings import (
     ChannelSettings,
     Limits,
@@ -52,14 +56,34 @@ from qtp.wsrm.runtime._settings import (
     check,
     node_settings,
 )
-from qtp.wsrm.runtime._transport import Transport, TransportError, wire
-from qtp.wsrm.store import Buffered, DestinationInfo, MemoryStore, Outgoing, SqlStore, Store
+from qtp.wsrm.runtime._stores import Stores
+from qtp.wsrm.runtime._transport import Transport
+from qtp.wsrm.store import DestinationInfo, Outgoing, Store
 
 log = logging.getLogger("qtp.wsrm.node")
 
 Handler = Callable[[Any, Message], "bytes | str | None"]
+
+
+class HandlerTable:
+    """The application's handlers: by WS-Addressing Action for requests, by channel for replies."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, Handler] = {}
+        self.replies: dict[str, Handler] = {}
+
+    def takes(self, action: str) -> bool:
+        return action in self.requests
+
+    def for_message(self, message: Message, info: DestinationInfo | None) -> Handler | None:
+        if info is not None and info.channel is not None:
+            return self.replies.get(channel_name(info.channel))
+        return self.requests.get(message.action)
+
+
 class Node:
-    """Messaging for one transaction manager. ``start()`` runs it; ``close()`` stops it (and the manager)."""
+    """Messaging for one transaction manager: build it, register its handlers, ``start()`` it; ``close()``
+    stops it and its manager."""
 
     def __init__(self, manager: Any, settings: NodeSettings | None = None):
         settings = settings or NodeSettings()
@@ -69,36 +93,54 @@ class Node:
         self.limits: Limits = settings.limits
         self.channels: dict[str, ChannelSettings] = dict(settings.channels)
         self.endpoint = settings.endpoint
-        self._stores: dict[Any, Store] = {}
-        self.inbound_mode = settings.mode
-        self.inbound_store = self.store_for(settings.store, settings.mode)
-        self.transport = Transport(self.limits.http_timeout, pool=self.limits.sender_threads + 4,
-                                   name=manager.node_id, security=settings.security,
-                                   max_response_bytes=self.limits.max_response_bytes)
-        self.handlers: dict[str, Handler] = {}
-        self.reply_handlers: dict[str, Handler] = {}
-        self.receiver = Receiver(self)
-        self.ownership = Ownership(self)
-        self.invoker = Invoker(self)
-        self.sender = Sender(self)
-        self.metrics = Metrics(manager.node_id, self.receiver.open_sequences, self.invoker.backlog,
-                               self.channel_stats)
-        self.mailbox = Mailbox(self)
-        self.metrics.watch_polling_clients(self.mailbox.waiting)
         # without an endpoint, replies are offered at this WS-MakeConnection address and fetched by polling
         self.mc_address = node_address(manager.node_id) if self.endpoint is None else None
-        self.wsgi = Endpoint(self)
         self.started = False
+        self._table = HandlerTable()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._deferred: list[tuple[Callable[[], None], str]] = []
         self._server: Any = None
         self._backlog: dict[str, tuple[float, int]] = {}
+        self._unstarted_warned = False
+        self._tables_created = False
+        self._assemble(manager, settings)
         manager.node = self
+
+    def _assemble(self, manager: Any, settings: NodeSettings) -> None:
+        """Build the parts, each given what it uses. The order is the dependency order: registries, then
+        the workers that share them, the sender before the receiver (which reports acknowledgements and
+        responses to it), the invoker before the receiver (which tells it what is stored)."""
+        limits, security, clock = self.limits, settings.security, SYSTEM_CLOCK
+        self.stores = Stores(manager, settings)
+        self.inbound_store: Store = self.stores.inbound
+        self.wake = Wake()
+        self.sources, self.destinations = Sources(), Destinations()
+        self.metrics = Metrics(manager.node_id, self.destinations.open_count, lambda: self.invoker.backlog(),
+                               self.channel_stats)
+        self.transport = Transport(limits.http_timeout, pool=limits.sender_threads + 4, name=manager.node_id,
+                                   security=security, max_response_bytes=limits.max_response_bytes)
+        self.offers = Offers(self.inbound_store, self.sources, self.destinations, limits, security.peer_for_url,
+                             self.wake, clock)
+        self.ownership = Ownership(self.destinations, self.sources, self.channels, security, self.metrics)
+        self.mailbox = Mailbox(limits, self.metrics, self.sources, self.destinations, clock)
+        self.metrics.watch_polling_clients(self.mailbox.waiting)
+        self.sender = Sender(limits, self.channels, self.stores, self.sources, self.offers, self.transport,
+                             self.mailbox, self.ownership, self.metrics, security, self.endpoint, self.mc_address,
+                             self.wake, clock)
+        self.invoker = Invoker(limits, self.inbound_store, self.destinations, self._table, manager.transaction,
+                               self.stores.enlisted, self.offers.inbound_finished, self.metrics, self.wake, clock)
+        self.receiver = Receiver(limits, security, settings.listen_host(), self.endpoint, self.inbound_store,
+                                 self.destinations, self.offers, self.sender, self.invoker, self._table,
+                                 self.mailbox, self.ownership, self.metrics, self.transport, self.sender.submit,
+                                 clock)
+        self.wsgi = Endpoint(manager.node_id, self.endpoint, limits, security, settings.listen_host(), self.metrics,
+                             self.receiver, lambda: self.started)
 
     @classmethod
     def from_config(cls, path: str | Path) -> "Node":
-        """The node described by ``qtp.toml``, recovered and started (HTTP server included when the file
-        gives ``[node] endpoint``)."""
+        """The node described by ``qtp.toml``, its transactions recovered; not started: register the handlers,
+        then ``start()`` it (``qtp serve`` does, after importing the application)."""
         from qtp.coordinator import TransactionManager
 
         manager = TransactionManager.from_config(path)
@@ -108,57 +150,35 @@ class Node:
 
             config = load_config(path)
             node = cls(manager, node_settings(config.messaging, set(config.resources)))
-            node.start()
         return node
 
     def __repr__(self) -> str:
-        return f"<Node {self.manager.node_id} endpoint={self.endpoint} channels={sorted(self.channels)}>"
+        state = "started" if self.started else "not started"
+        return f"<Node {self.manager.node_id} endpoint={self.endpoint} channels={sorted(self.channels)} {state}>"
 
     # ------------------------------------------------------------------ stores
 
     def store_for(self, resource: str | None, mode: str) -> Store:
-        if mode == "memory":
-            key: Any = "memory"
-            if key not in self._stores:
-                self._stores[key] = MemoryStore(f"{self.manager.node_id}-memory")
-            return self._stores[key]
-        if resource is None:
-            raise ConfigurationError(f"mode {mode!r} needs a store resource")
-        target = self.manager.resource(resource)
-        key = id(target)
-        if key not in self._stores:
-            url = getattr(target, "url", None)
-            if url is None:
-                raise ConfigurationError(f"resource {resource!r} is not a SQL database; a store needs one "
-                                         "(or mode = \"memory\")")
-            # The store's local transactions get their own engine: the resource's pooled connections are
-            # left in XA/two-phase modes (MariaDB: autocommit on) that would make them non-atomic. No ping on
-            # checkout and no ROLLBACK on return (each costs a round trip per transaction): every use is
-            # `engine.begin()`, which ends its transaction itself, and a connection found dead raises, which
-            # SQLAlchemy answers by emptying the pool; each caller already retries a failed transaction.
-            engine = share_tls_context(sqlalchemy.create_engine(url, pool_size=8, max_overflow=16,
-                                                                pool_reset_on_return=None))
-            self._stores[key] = SqlStore(resource, engine)
-        return self._stores[key]
+        return self.stores.store_for(resource, mode)
 
-    def store_for_route(self, route: str) -> Store:
-        channel = self.channels.get(channel_name(route))
-        if channel is None:
-            return self.inbound_store
-        return self.store_for(channel.store, channel.mode)
-
-    def distinct_stores(self) -> list[Store]:
-        return list({id(s): s for s in self._stores.values()}.values())
+    @property
+    def inbound_mode(self) -> str:
+        return self.settings.mode
 
     # ------------------------------------------------------------------ application API
+
+    @property
+    def handlers(self) -> dict[str, Handler]:
+        """The registered request handlers, by action."""
+        return self._table.requests
 
     def handler(self, action: str) -> Callable[[Handler], Handler]:
         """Register ``fn(tx, message)`` for messages whose WS-Addressing Action is ``action``."""
         def register(fn: Handler) -> Handler:
-            if action in self.handlers:
+            self._registering(f"a handler for action {action!r}")
+            if action in self._table.requests:
                 raise ConfigurationError(f"a handler for action {action!r} is already registered")
-            self.handlers[action] = fn
-            self.invoker.handler_registered()
+            self._table.requests[action] = fn
             return fn
         return register
 
@@ -176,17 +196,21 @@ class Node:
         """Register ``fn(tx, reply)`` for the replies and faults coming back on request-reply ``channel``;
         ``reply.relates_to`` is the request's MessageID, ``reply.fault`` the fault's text (None for a reply)."""
         def register(fn: Handler) -> Handler:
+            self._registering(f"a reply handler for channel {channel!r}")
             if channel not in self.channels or not self.channels[channel].reply:
                 raise ConfigurationError(f"channel {channel!r} is not a request-reply channel (reply = true)")
-            self.reply_handlers[channel] = fn
-            self.invoker.handler_registered()
+            self._table.replies[channel] = fn
             return fn
         return register
 
+    def _registering(self, what: str) -> None:
+        if self.started:
+            raise ConfigurationError(f"{what} is registered after node {self.manager.node_id!r} started: register "
+                                     "every handler first, then start the node (node.start(), `with node:`, or "
+                                     "`qtp serve --app module:node`, which starts it after importing the module)")
+
     def handler_for(self, message: Message, info: DestinationInfo | None) -> Handler | None:
-        if info is not None and info.channel is not None:
-            return self.reply_handlers.get(channel_name(info.channel))
-        return self.handlers.get(message.action)
+        return self._table.for_message(message, info)
 
     def routes(self) -> list[str]:
         """Every route of the node's channels (one per lane)."""
@@ -201,8 +225,8 @@ class Node:
 
     def send(self, tx: Any, channel: str, payload: bytes | str, action: str, message_id: str | None = None,
              key: str | None = None) -> str:
-        """Enqueue ``payload`` on ``channel`` inside transaction ``tx`` (see ``Transaction.send``); messages
-        with the same ``key`` travel in one lane, in commit order."""
+        """Enqueue ``payload`` on ``channel`` inside transaction ``tx`` (``tx.send`` calls this); messages with
+        the same ``key`` travel in one lane, in commit order."""
         settings = self.channels.get(channel)
         if settings is None:
             known = ", ".join(sorted(self.channels)) or "none"
@@ -213,25 +237,24 @@ class Node:
             payload = payload.encode("utf-8")
         check_payload(payload)
         self.check_size(payload)
+        if not self.started and not self._unstarted_warned:
+            self._unstarted_warned = True
+            self._create_tables()
+            log.warning("node %s is not started: what is sent waits in its store until node.start()",
+                        self.manager.node_id)
         self._check_backlog(channel, settings)
-        now = time.time()
+        now = SYSTEM_CLOCK.time()
         message = Outgoing(route=settings.route_for(key), message_id=message_id or new_message_id(now), action=action,
                            payload=payload, enqueued_at=now)
-        store = self.store_for(settings.store, settings.mode)
-        if settings.mode == "xa":
-            store.enqueue(tx.connection(settings.store), message)
-        else:
-            buffered = Buffered(store)
-            buffered.record("enqueue", message)
-            tx.on_commit(buffered.replay)
-        tx.on_commit(self.sender.wake.set)
+        self.stores.enlisted(tx, settings)("enqueue", message)
+        tx.on_commit(self.wake)
         return message.message_id
 
     def _check_backlog(self, channel: str, settings: ChannelSettings) -> None:
         checked_at, count = self._backlog.get(channel, (0.0, 0))
-        now = time.monotonic()
+        now = SYSTEM_CLOCK.monotonic()
         if now - checked_at > 1.0 or count >= self.limits.max_backlog:
-            store = self.store_for(settings.store, settings.mode)
+            store = self.stores.for_channel(settings)
             with store.local() as s:
                 count = sum(store.backlog(s, route) for route in settings.routes())
             self._backlog[channel] = (now, count)
@@ -244,8 +267,8 @@ class Node:
     def channel_stats(self) -> dict[str, dict[str, float]]:
         """For /metrics: per channel, the sender's view and the stores' backlog and oldest message."""
         stats = self.sender.channel_stats()
-        now = time.time()
-        for store in self.distinct_stores():
+        now = SYSTEM_CLOCK.time()
+        for store in self.stores.distinct():
             try:
                 with store.local() as s:
                     outgoing = store.summary(s).outgoing
@@ -263,12 +286,16 @@ class Node:
     # ------------------------------------------------------------------ running
 
     def start(self) -> "Node":
+        """Create the stores' tables, rebuild the sequences, start the workers and the endpoint."""
         if self.started:
             return self
         if self.endpoint is not None:
             self.settings.security.require_metrics_token(self.settings.listen_host())
-        for store in self.distinct_stores():
-            store.create()
+        for name, channel in self.channels.items():
+            if channel.reply and name not in self._table.replies:
+                log.warning("channel %r is request-reply but no reply handler is registered: its replies become "
+                            "dead letters (register one with @node.reply_handler(%r) before start)", name, name)
+        self._create_tables()
         self.receiver.load()
         self.sender.load()
         self.invoker.load()
@@ -277,13 +304,23 @@ class Node:
         if self.endpoint is not None:
             self._serve_http()
         else:
-            poller = Poller(self, self.mc_address or "")
+            poller = Poller(self.mc_address or "", self.channels, self.limits, self.transport, self.metrics,
+                            self.settings.security, self.receiver.handle)
             for peer in poller.peers():
                 self._spawn(lambda peer=peer: poller.run(peer, self._stopping), "qtp-poll")
         self.started = True
+        for target, name in self._deferred:
+            self._spawn(target, name)
+        self._deferred.clear()
         log.info("node %s started (endpoint %s, channels %s)", self.manager.node_id, self.endpoint,
                  sorted(self.channels))
         return self
+
+    def _create_tables(self) -> None:
+        if not self._tables_created:
+            for store in self.stores.distinct():
+                store.create()
+            self._tables_created = True
 
     @property
     def stopping(self) -> threading.Event:
@@ -291,9 +328,13 @@ class Node:
         return self._stopping
 
     def add_worker(self, target: Callable[[], None], name: str) -> None:
-        """Run ``target`` in a thread of the node, joined by ``close()`` (it returns once ``stopping`` is set);
-        how layers above the runtime (``qtp.coupled``) run their workers."""
-        self._spawn(target, name)
+        """Run ``target`` in a thread of the node, from its start (at once if it has started), joined by
+        ``close()`` (it returns once ``stopping`` is set); how layers above the runtime (``qtp.coupled``) run
+        their workers."""
+        if self.started:
+            self._spawn(target, name)
+        else:
+            self._deferred.append((target, name))
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -303,8 +344,8 @@ class Node:
     def _maintain(self) -> None:
         polled = 0.0
         while not self._stopping.is_set():
-            self.sender.wake.clear()
-            now = time.time()
+            self.wake.clear()
+            now = SYSTEM_CLOCK.time()
             try:
                 due = self.sender.tick(now)
                 self.receiver.tick(now)
@@ -314,8 +355,8 @@ class Node:
             except Exception:  # keep running: the next tick retries from the stores
                 log.exception("node maintenance failed")
                 due = now + 1.0
-            wait = 0.2 if due is None else max(0.0, min(0.2, due - time.time()))
-            self.sender.wake.wait(wait)
+            wait = 0.2 if due is None else max(0.0, min(0.2, due - SYSTEM_CLOCK.time()))
+            self.wake.wait(wait)
 
     def _serve_http(self) -> None:
         """The endpoint in qtp's HTTP server (``qtp.wsrm.runtime._http``): connections on an event loop, so
@@ -338,31 +379,13 @@ class Node:
         server.start()
         self._server = server
 
-    def send_acks_to(self, info: DestinationInfo, request: Envelope, acks: list[SequenceAcknowledgement]) -> None:
-        """Acknowledgements for a sequence whose AcksTo is addressable: POST them there."""
-        assert info.acks_to is not None
-        wsa = request.wsa or WsaVersion.WSA200508
-        client = mc_id(info.acks_to)
-        rm = request.rm or RMVersion.WSRM11
-        envelope = Envelope(soap=request.soap, rm=rm, wsa=wsa, acks=tuple(acks), addressing=Addressing(
-            action=rm_action(rm, "SequenceAcknowledgement"), to=info.acks_to, message_id=f"urn:uuid:{uuid.uuid4()}",
-            reply_to=anonymous(wsa)))
-        if client is not None:  # a peer that cannot listen: it fetches them with MakeConnection
-            self.mailbox.hold(info.owner, client, envelope)
+    def stop(self) -> None:
+        """Stop the HTTP server and the workers (the manager stays open); what ``close`` and the manager's
+        own ``close`` call first."""
+        if not self.started:
             return
-
-        def post() -> None:
-            try:
-                self.transport.post(info.acks_to or "", wire(envelope), envelope.soap, envelope.addressing.action)
-            except TransportError as exc:
-                log.debug("acknowledgement to %s not delivered (the source will ask again): %s", info.acks_to, exc)
-
-        self.sender.submit(post)
-
-    def close(self) -> None:
-        """Stop the HTTP server and the workers, then the transaction manager."""
         self._stopping.set()
-        self.sender.wake.set()
+        self.wake.set()
         if self._server is not None:
             self._server.stop()
         self.invoker.stop()
@@ -371,20 +394,24 @@ class Node:
             thread.join(timeout=10)
         self.transport.close()
         self.started = False
+
+    def close(self) -> None:
+        """Stop the node, then close its transaction manager."""
+        self.stop()
         self.manager.close()
 
     def __enter__(self) -> "Node":
-        return self
+        return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
 def attach_from_config(manager: Any, config: Any) -> None:
-    """The node a configuration describes, attached to ``manager`` and started (when the file has channels
-    or an endpoint); registered with the coordinator by ``qtp.wsrm.runtime``."""
+    """The node a configuration describes, built and attached to ``manager`` (when the file has channels
+    or an endpoint), not started; registered with the coordinator by ``qtp.wsrm.runtime``."""
     if config.messaging["channels"] or config.messaging["node"].get("endpoint"):
-        Node(manager, node_settings(config.messaging, set(config.resources))).start()
+        Node(manager, node_settings(config.messaging, set(config.resources)))
 
 
 def _tls_context(security: Any) -> ssl.SSLContext:

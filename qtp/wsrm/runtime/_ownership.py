@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from qtp.wsrm.codec import Envelope
 from qtp.wsrm.protocol import (
@@ -45,8 +45,9 @@ from qtp.wsrm.protocol import (
 from qtp.wsrm.runtime._refusals import refusals
 from qtp.wsrm.runtime._settings import channel_name
 
+from qtp.wsrm.runtime._sequences import Destinations, Sources
+
 if TYPE_CHECKING:
-    from qtp.wsrm.runtime._node import Node
     from qtp.wsrm.runtime._security import Security
 
 log = logging.getLogger("qtp.wsrm.ownership")
@@ -111,8 +112,13 @@ class About:
 class Ownership:
     """Sorts what a source says into what it may say (its own sequences) and what it may not."""
 
-    def __init__(self, node: "Node"):
-        self.node = node
+    def __init__(self, destinations: Destinations, sources: Sources, channels: Mapping[str, Any],
+                 security: "Security", metrics: Any):
+        self.destinations = destinations
+        self.sources = sources
+        self.channels = channels
+        self.security = security
+        self.metrics = metrics
 
     def sort(self, source: Source, envelope: Envelope, key: str | None = None) -> About:
         """What ``envelope`` from ``source`` may be taken for; ``key``: the outbound sequence we POSTed for,
@@ -140,7 +146,7 @@ class Ownership:
         for what, identifier in refused:
             refusals.warn(log, "not_owner", "refused a %s for sequence %s from %s: it is not that sequence's "
                           "peer", what, identifier[:200], source)
-            self.node.metrics.refused.labels(reason="not_owner").inc()
+            self.metrics.refused.labels(reason="not_owner").inc()
         return About(tuple(acks), requests, sequence, body, tuple(identifier for _, identifier in refused))
 
     def admits(self, source: Source, identifier: str) -> bool:
@@ -165,28 +171,29 @@ class Ownership:
         return None
 
     def _inbound(self, identifier: str) -> Owner | None:
-        info = self.node.receiver.info(identifier)
+        info = self.destinations.info(identifier)
         if info is None:
             return None
         if info.channel is not None:  # offered by us for our replies: the channel's peer sends on it
-            channel = self.node.channels.get(channel_name(info.channel))
+            channel = self.channels.get(channel_name(info.channel))
             return Owner(info.owner, channel.peer if channel is not None else None)
         return Owner(info.owner)
 
     def _outbound(self, identifier: str, key: str | None = None) -> Owner | None:
         """``key``: the sequence an answer is for, most often the one its acknowledgement names."""
-        sender = self.node.sender
-        if key is None or sender.identifier_of(key) != identifier:
-            key = sender.key_of(identifier)
-        return None if key is None else self._outbound_key(key)
+        seq = None if key is None else self.sources.get(key)
+        if seq is None or seq.identifier != identifier:
+            seq = self.sources.by_identifier(identifier)
+        return None if seq is None else self._outbound_key(seq.key)
 
     def _outbound_key(self, key: str) -> Owner | None:
-        info = self.node.sender.info(key)
-        if info is None:
+        seq = self.sources.get(key)
+        if seq is None:
             return None
+        info = seq.info
         if info.route.startswith("offer:"):  # offered by the peer that created the inbound sequence
             return Owner(info.owner, info.peer)
-        channel = self.node.channels.get(channel_name(info.route))
-        peer = self.node.settings.security.peer_for_url(info.peer)
+        channel = self.channels.get(channel_name(info.route))
+        peer = self.security.peer_for_url(info.peer)
         by_request = channel is not None and channel.acks_to in ("endpoint", "poll")
         return Owner(None if peer is None else peer.name, info.peer, by_request)

@@ -19,19 +19,15 @@ the queue growing. A lone request never waits for company. A qtp peer's batch is
 from __future__ import annotations
 
 import logging
-import threading
-import time
 import uuid
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import Any
 
 from qtp.coordinator.failpoints import failpoint
 from qtp.errors import MessagingError
 from qtp.wsrm.codec import (
     Addressing,
     Envelope,
-    WSMC_FAULT_ACTION,
-    WSMC_NS,
     MakeConnection,
     SoapFault,
     WsaVersion,
@@ -39,7 +35,7 @@ from qtp.wsrm.codec import (
     default_action,
     mc_id,
 )
-from qtp.wsrm.codec._names import WSA_FAULT_ACTION
+from qtp.wsrm.codec._names import action as rm_action
 from qtp.wsrm.protocol import (
     AcceptMessage,
     AckRequestedReceived,
@@ -73,96 +69,61 @@ from qtp.wsrm.protocol import (
     unknown_sequence,
 )
 from qtp.wsrm.protocol import _ranges as ranges
-from qtp.wsrm.runtime._ownership import Source
+from qtp.wsrm.runtime._answers import NOTHING, Answer, fault, reply_addressing
+from qtp.wsrm.runtime._ids import enqueued_at
+from qtp.wsrm.runtime._mailbox import Mailbox
+from qtp.wsrm.runtime._offers import Offers
+from qtp.wsrm.runtime._ownership import Ownership, Source
+from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock, Deliveries, Handlers, OutboundEvents, Run
 from qtp.wsrm.runtime._refusals import refusals
-from qtp.wsrm.runtime._security import is_loopback
-from qtp.wsrm.store import DestinationInfo, Incoming, SourceInfo
-
-if TYPE_CHECKING:
-    from qtp.wsrm.runtime._node import Node
-    from qtp.wsrm.runtime._settings import ChannelSettings
+from qtp.wsrm.runtime._security import Security, is_loopback
+from qtp.wsrm.runtime._sequences import Destinations, Inbound
+from qtp.wsrm.runtime._settings import Limits
+from qtp.wsrm.runtime._transport import Transport, TransportError, wire
+from qtp.wsrm.store import DestinationInfo, Incoming, Store
 
 log = logging.getLogger("qtp.wsrm.receiver")
 
 D = DestinationState
+_OPEN = (D.ACTIVE, D.CLOSED)
 SWEEP_INTERVAL_S = 60.0  # how often applied MessageIDs past their retention are looked for
 SWEEP_BATCH = 1000
-_ENQUEUED_PREFIX = "urn:qtp:m:"
-
-
-def new_message_id(now: float) -> str:
-    """A MessageID that also tells a qtp peer when the message was enqueued (for the latency histogram)."""
-    return f"{_ENQUEUED_PREFIX}{int(now * 1_000_000)}:{uuid.uuid4().hex}"
-
-
-def enqueued_at(message_id: str) -> float | None:
-    if not message_id.startswith(_ENQUEUED_PREFIX):
-        return None
-    stamp = message_id[len(_ENQUEUED_PREFIX):].split(":", 1)[0]
-    return int(stamp) / 1_000_000 if stamp.isdigit() else None
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """What the endpoint sends back: an envelope (None: nothing, 202) and the HTTP status."""
-
-    envelope: Envelope | None
-    status: int = 200
 
 
 class Receiver:
-    def __init__(self, node: "Node"):
-        self.node = node
-        self.store = node.inbound_store
-        self._machines: dict[str, DestinationSequence] = {}
-        self._infos: dict[str, DestinationInfo] = {}
-        self._created_by: dict[str, str] = {}  # CreateSequence MessageID -> identifier
-        self._locks: dict[str, threading.Lock] = {}
-        self._mutex = threading.Lock()
-        self._stale: set[str] = set()  # sequences whose last store transaction ended with an error
-        self._arrivals: dict[str, list[_Arrival]] = {}  # requests waiting for their sequence's next commit
+    """The node's RM Destinations. Its state is the ``Destinations`` registry (one ``Inbound`` per sequence;
+    the lock rules are in ``_sequences``)."""
+
+    def __init__(self, limits: Limits, security: Security, listen_host: str | None, endpoint: str | None,
+                 store: Store, destinations: Destinations, offers: Offers, outbound: OutboundEvents,
+                 deliveries: Deliveries, handlers: Handlers, mailbox: Mailbox, ownership: Ownership, metrics: Any,
+                 transport: Transport, run: Run, clock: Clock = SYSTEM_CLOCK):
+        self.limits = limits
+        self.security = security
+        self.listen_host = listen_host or ""
+        self.endpoint = endpoint
+        self.store = store
+        self.destinations = destinations
+        self.offers = offers
+        self.outbound = outbound
+        self.deliveries = deliveries
+        self.handlers = handlers
+        self.mailbox = mailbox
+        self.ownership = ownership
+        self.metrics = metrics
+        self.transport = transport
+        self._run = run
+        self.clock = clock
         self._next_sweep = 0.0
 
     def load(self) -> None:
         with self.store.local() as s:
             saved = self.store.destinations(s)
         for info, record in saved:
-            self._adopt(info, record)
-
-    def _adopt(self, info: DestinationInfo, record: DestinationRecord) -> None:
-        with self._mutex:
-            self._machines[record.identifier] = DestinationSequence(record)
-            self._infos[record.identifier] = info
-            self._locks.setdefault(record.identifier, threading.Lock())
-            if info.create_message_id:
-                self._created_by[info.create_message_id] = record.identifier
+            self.destinations.add(Inbound(info, record))
 
     def open_sequences(self) -> int:
-        with self._mutex:
-            return sum(1 for m in self._machines.values() if m.state in (D.ACTIVE, D.CLOSED))
-
-    def info(self, identifier: str) -> DestinationInfo | None:
-        return self._infos.get(identifier)
-
-    def record(self, identifier: str) -> DestinationRecord | None:
-        machine = self._machines.get(identifier)
-        return None if machine is None else machine.record
-
-    # ------------------------------------------------------------------ offered sequences (our replies)
-
-    def expect_offered(self, identifier: str, channel: str, settings: "ChannelSettings") -> None:
-        """Our RM Source is about to offer ``identifier``: be its destination before the peer can use it."""
-        record = DestinationRecord(identifier, settings.wsrm, state=D.ACTIVE, last_activity=time.time(),
-                                   inactivity_timeout=self.node.limits.inactivity_timeout)
-        peer = self.node.settings.security.peer_for_url(settings.peer)
-        info = DestinationInfo(channel=channel, soap=settings.soap.value, wsa=settings.wsa.value,
-                               owner=None if peer is None else peer.name)
-        with self.store.local() as s:
-            self.store.save_destination(s, info, record)
-        self._adopt(info, record)
-
-    def offer_accepted(self, identifier: str) -> None:
-        log.info("the peer accepted offered sequence %s for replies", identifier)
+        return self.destinations.open_count()
 
     # ------------------------------------------------------------------ requests
 
@@ -170,18 +131,18 @@ class Receiver:
         """One request from ``caller``: the authenticated peer's name (None: anonymous), or the ``Source`` of a
         message we fetched (the answer to our poll). Only what it may say of its own sequences is taken
         (``Ownership``); a request that says nothing else is refused."""
-        now = time.time()
+        now = self.clock.time()
         source = Source.of(caller)
-        about = self.node.ownership.sort(source, env)
+        about = self.ownership.sort(source, env)
         if about.acks:
-            self.node.sender.on_acks(about.acks)
+            self.outbound.on_acks(about.acks)
         if not about.sequence or not about.body or \
                 about.refused and env.body is None and env.sequence is None and not about.ack_requests:
             return self._refuse(env)
         caller = source.peer
         body = env.body
         if isinstance(body, MakeConnection):  # a peer that cannot listen fetches what we hold for it
-            return self.node.mailbox.answer(env, body, caller)
+            return self.mailbox.answer(env, body, caller)
         if isinstance(body, CreateSequence):
             return self._create(env, body, now, caller)
         if env.sequence is not None:
@@ -194,89 +155,68 @@ class Receiver:
             return self._fault_received(env, body, now)
         if isinstance(body, SoapFault):
             log.info("a peer sent a fault: %s", body.reason)
-            return Answer(None, 202)
+            return NOTHING
         if about.ack_requests:
             acks = [self._event(env, r.identifier, AckRequestedReceived(now)) for r in about.ack_requests]
             return acks[0]
         if isinstance(body, (CreateSequenceResponse, CloseSequenceResponse, TerminateSequenceResponse)):
-            self.node.sender.on_body(body)
-            return Answer(None, 202)
+            self.outbound.on_body(body)
+            return NOTHING
         if env.acks:
-            return Answer(None, 202)
-        return self.fault(env, SoapFault("Sender", None, "the message is neither WS-RM nor part of a sequence"), 400)
+            return NOTHING
+        return fault(env, SoapFault("Sender", None, "the message is neither WS-RM nor part of a sequence"), 400)
 
     # ------------------------------------------------------------------ who may do what
 
     def _foreign(self, identifier: str, caller: str | None) -> bool:
         """``identifier`` is one of our inbound sequences and ``caller`` is not the peer that owns it."""
-        return not self.node.ownership.admits(Source(caller), identifier)
+        return not self.ownership.admits(Source(caller), identifier)
 
     def _refuse(self, env: Envelope) -> Answer:
         """The answer to a request that named another peer's sequence (logged and counted by ``Ownership``)."""
-        return self.fault(env, SoapFault("Sender", None, "this sequence belongs to another peer"), 403)
+        return fault(env, SoapFault("Sender", None, "this sequence belongs to another peer"), 403)
 
     def _may_name(self, caller: str | None, address: str) -> bool:
-        security = self.node.settings.security
+        security = self.security
         if mc_id(address) is not None:
             # Nothing is sent there: held for the caller's polls. Anonymous callers share one identity, so
             # one could fetch another's replies: only on a loopback node, or where anonymous_addresses says.
             return caller is not None or security.anonymous_may_name(address, None) or \
-                is_loopback(self.node.settings.listen_host() or "")
+                is_loopback(self.listen_host)
         if caller is not None:
             peer = security.peers.get(caller)
             return peer is not None and peer.may_name(address)
-        return security.anonymous_may_name(address, self.node.settings.listen_host())
-
-    def _owned_open(self, caller: str | None) -> list[str]:
-        with self._mutex:
-            return [i for i, m in self._machines.items()
-                    if m.state in (D.ACTIVE, D.CLOSED) and self._infos[i].owner == caller and self._infos[i].channel is None]
+        return security.anonymous_may_name(address, self.listen_host or None)
 
     def _owned(self, caller: str | None) -> int:
         """What counts against ``caller``'s max_sequences_per_peer: its open inbound sequences, and the reply
         sequences it offered that outlive the inbound sequence that accepted them (waiting for it to
         acknowledge or poll its replies). An open sequence and its offered one take one place."""
-        inbound = self._owned_open(caller)
-        with self._mutex:
-            accepted = {self._machines[i].record.accepted_offer for i in inbound if i in self._machines}
-        return len(inbound) + len(self.node.sender.offers_of(caller) - accepted)
+        inbound = [seq for seq in self.destinations.owned(caller) if seq.machine.state in _OPEN]
+        accepted = {seq.machine.record.accepted_offer for seq in inbound}
+        return len(inbound) + len(self.offers.of(caller) - accepted)
 
     def _refused_create(self, env: Envelope, reason: str, caller: str | None) -> Answer:
         refusals.warn(log, "create", "refused a CreateSequence from %s: %s",
                       f"peer {caller}" if caller else "an anonymous peer", reason)
-        self.node.metrics.refused.labels(reason="create").inc()
-        return self.fault(env, SequenceFault(FaultCode.CREATE_SEQUENCE_REFUSED, None, reason))
+        self.metrics.refused.labels(reason="create").inc()
+        return fault(env, SequenceFault(FaultCode.CREATE_SEQUENCE_REFUSED, None, reason))
 
     def _create(self, env: Envelope, body: CreateSequence, now: float, caller: str | None = None) -> Answer:
         message_id = env.addressing.message_id
-        known = self._created_by.get(message_id) if message_id else None
-        if known is not None and not self._foreign(known, caller):  # a retransmitted CreateSequence
-            return self._event(env, known, CreateSequenceReceived(now))
-        limits = self.node.limits
-        if self.open_sequences() >= limits.max_open_sequences:
-            return self._refused_create(env, f"this node has {limits.max_open_sequences} sequences open already",
-                                        caller)
-        if self._owned(caller) >= limits.max_sequences_per_peer:
-            return self._refused_create(env, f"this peer has {limits.max_sequences_per_peer} sequences open "
-                                        "here already ([limits] max_sequences_per_peer)", caller)
-        offer = body.offer
-        if offer is not None and self.node.sender.replies_waiting(caller)[0] >= limits.max_replies_per_peer:
-            return self._refused_create(env, f"{limits.max_replies_per_peer} replies wait for this peer's "
-                                        "acknowledgement already ([limits] max_replies_per_peer)", caller)
-        addresses = [("AcksTo", _address(body.acks_to)), ("ReplyTo", _address(env.addressing.reply_to)),
-                     ("Offer Endpoint", _address(offer.endpoint) if offer is not None else None)]
-        for what, address in addresses:
-            if address is not None and not self._may_name(caller, address):
-                return self._refused_create(env, f"{what} {address[:200]} is not an address of this peer", caller)
-        if offer is not None and self._offer_in_use(offer.identifier):
-            return self._refused_create(env, "the offered identifier is in use already", caller)
+        known = self.destinations.created_by(message_id) if message_id else None
+        if known is not None and not self._foreign(known.identifier, caller):  # a retransmitted CreateSequence
+            return self._event(env, known.identifier, CreateSequenceReceived(now))
+        refusal = self._create_refusal(env, body, caller)
+        if refusal is not None:
+            return self._refused_create(env, refusal, caller)
         identifier = f"urn:uuid:{uuid.uuid4()}"
         offer = body.offer
         reply_to = _address(env.addressing.reply_to)
         offer_peer = (offer.endpoint if offer is not None and offer.endpoint else None) or reply_to
         accepted = offer.identifier if offer is not None and offer_peer is not None else None
         record = DestinationRecord(identifier, env.rm or RMVersion.WSRM11,
-                                   inactivity_timeout=self.node.limits.inactivity_timeout)
+                                   inactivity_timeout=self.limits.inactivity_timeout)
         machine = DestinationSequence(record)
         actions = machine.handle(CreateSequenceReceived(now, expires=None, accepted_offer=accepted))
         info = DestinationInfo(reply_to=offer_peer, soap=env.soap.value, wsa=(env.wsa or WsaVersion.WSA200508).value,
@@ -284,32 +224,49 @@ class Receiver:
         offered = None
         with self.store.local() as s:
             self.store.create_destination(s, info, machine.record)
-            if accepted is not None:
-                offered = self.node.sender.add_offer_route(s, self.store, accepted, offer_peer, machine.record.version,
-                                                           info.soap, info.wsa, body.batch, owner=caller)
-        self._adopt(info, machine.record)
+            if accepted is not None and offer_peer is not None:
+                offered = self.offers.accept(s, accepted, offer_peer, machine.record.version, info.soap, info.wsa,
+                                             body.batch, owner=caller)
+        self.destinations.add(Inbound(info, machine.record))
         if offered is not None:
-            self.node.sender.adopt_offer(offered, SourceInfo(f"offer:{accepted}", offer_peer, info.soap, info.wsa,
-                                                             owner=caller))
-        self.node.invoker.ensure(identifier)
+            self.offers.adopt(offered)
+        self.deliveries.ensure(identifier)
         return self._answer(env, identifier, actions)
 
-    def _offer_in_use(self, identifier: str) -> bool:
-        return identifier in self._locks or self.node.sender.knows(identifier)
+    def _create_refusal(self, env: Envelope, body: CreateSequence, caller: str | None) -> str | None:
+        """Why a new sequence from ``caller`` is refused (None: it is not)."""
+        limits = self.limits
+        if self.open_sequences() >= limits.max_open_sequences:
+            return f"this node has {limits.max_open_sequences} sequences open already"
+        if self._owned(caller) >= limits.max_sequences_per_peer:
+            return (f"this peer has {limits.max_sequences_per_peer} sequences open here already ([limits] "
+                    "max_sequences_per_peer)")
+        offer = body.offer
+        if offer is not None and self.offers.replies_waiting(caller)[0] >= limits.max_replies_per_peer:
+            return (f"{limits.max_replies_per_peer} replies wait for this peer's acknowledgement already "
+                    "([limits] max_replies_per_peer)")
+        addresses = [("AcksTo", _address(body.acks_to)), ("ReplyTo", _address(env.addressing.reply_to)),
+                     ("Offer Endpoint", _address(offer.endpoint) if offer is not None else None)]
+        for what, address in addresses:
+            if address is not None and not self._may_name(caller, address):
+                return f"{what} {address[:200]} is not an address of this peer"
+        if offer is not None and self.offers.in_use(offer.identifier):
+            return "the offered identifier is in use already"
+        return None
 
     def handle_batch(self, envelopes: list[Envelope], caller: str | None = None) -> Answer:
         """A qtp batch: each sequence's messages stored in one local commit, one answer with every
         acknowledgement (or the first fault)."""
-        now = time.time()
+        now = self.clock.time()
         groups: dict[str, list[Envelope]] = {}
         for env in envelopes:
             if env.sequence is None or env.body is not None and not isinstance(env.body, SoapFault):
-                return self.fault(env, SoapFault("Sender", None, "a qtp batch carries sequence messages only"), 400)
-            about = self.node.ownership.sort(Source.of(caller), env)
+                return fault(env, SoapFault("Sender", None, "a qtp batch carries sequence messages only"), 400)
+            about = self.ownership.sort(Source.of(caller), env)
             if not about.sequence:
                 return self._refuse(env)
             if about.acks:
-                self.node.sender.on_acks(about.acks)
+                self.outbound.on_acks(about.acks)
             groups.setdefault(env.sequence.identifier, []).append(env)
         answers = [self._messages(group, now, caller) for group in groups.values()]
         failed = next((a for a in answers if a.status >= 300), None)
@@ -318,7 +275,7 @@ class Receiver:
         acks = tuple(ack for a in answers if a.envelope is not None for ack in a.envelope.acks)
         last = next((a for a in reversed(answers) if a.envelope is not None), None)
         if last is None or last.envelope is None:
-            return Answer(None, 202)
+            return NOTHING
         return Answer(replace(last.envelope, acks=acks), 200)
 
     def _message(self, env: Envelope, now: float, caller: str | None = None) -> Answer:
@@ -332,21 +289,21 @@ class Receiver:
         """Messages of one sequence, in the order they came: stored (with whatever else queued for the
         sequence meanwhile) in one local transaction, then answered with the acknowledgement after it."""
         identifier = envs[0].sequence.identifier  # type: ignore[union-attr]
-        lock = self._locks.get(identifier)
-        if lock is None:
+        seq = self.destinations.get(identifier)
+        if seq is None:
             return self._answer(envs[0], identifier, [unknown_sequence(identifier)])
-        refusal = self._admit(envs, caller)
+        refusal = self._admit(seq, envs, caller)
         if refusal is not None:
             return refusal
         arrival = _Arrival(envs)
-        with self._mutex:
-            self._arrivals.setdefault(identifier, []).append(arrival)
-        with lock:
+        with seq.io:
+            seq.arrivals.append(arrival)
+        with seq.changing(self._reload):
             if arrival.answer is None and arrival.failure is None:
-                with self._mutex:
-                    group = self._arrivals.pop(identifier, [])
+                with seq.io:
+                    group, seq.arrivals = seq.arrivals, []
                 try:
-                    self._store_group(identifier, group, now)
+                    self._store_group(seq, group, now)
                 except BaseException as exc:
                     for other in group:
                         other.failure = exc
@@ -356,39 +313,37 @@ class Receiver:
                                  f"{arrival.failure}") from arrival.failure
         return arrival.answer
 
-    def _admit(self, envs: list[Envelope], caller: str | None) -> Answer | None:
+    def _admit(self, seq: Inbound, envs: list[Envelope], caller: str | None) -> Answer | None:
         """Refuse, before anything is stored, what no handler takes and what breaks the peer's quotas."""
-        identifier = envs[0].sequence.identifier  # type: ignore[union-attr]
-        info = self._infos.get(identifier)
-        machine = self._machines.get(identifier)
-        handlers = self.node.handlers  # none yet: the application is still registering them; messages wait
-        if handlers and info is not None and info.channel is None and machine is not None and \
-                machine.state is D.ACTIVE:  # (replies on an offered sequence go to the reply handler)
+        info, record = seq.info, seq.machine.record
+        if info.channel is None and seq.machine.state is D.ACTIVE:  # (replies go to the reply handler)
             for env in envs:
                 action = env.addressing.action or ""
-                if not isinstance(env.body, SoapFault) and action not in handlers and \
+                if not isinstance(env.body, SoapFault) and not self.handlers.takes(action) and \
                         not (env.rm is RMVersion.WSRM10 and env.sequence.last_message and not env.payload):  # type: ignore[union-attr]
-                    self.node.metrics.refused.labels(reason="unknown_action").inc()
+                    self.metrics.refused.labels(reason="unknown_action").inc()
                     refusals.warn(log, "unknown_action", "refused a message with action %r on %s: no handler "
-                                  "takes it", action[:200], identifier)
-                    return self.fault(env, SoapFault("Sender", "wsa:ActionNotSupported",
-                                                     f"no handler for action {action[:200]}"))
-        if machine is not None:
-            limits = self.node.limits
-            in_order = _in_order(machine.record.received)
-            too_far = next((e for e in envs if e.sequence.number > in_order + limits.max_gap), None)  # type: ignore[union-attr]
-            if too_far is not None:
-                self.node.metrics.refused.labels(reason="gap").inc()
-                return self.fault(too_far, SoapFault("Sender", None, f"message number {too_far.sequence.number} is "  # type: ignore[union-attr]
-                                                     f"more than {limits.max_gap} above the last in order ({in_order})"))
-            fresh = sum(1 for e in envs if not _ranges_contain(machine.record.received, e.sequence.number))  # type: ignore[union-attr]
-            backlog = self.node.invoker.backlog_of(set(self._owned_all(caller))) if fresh else 0
-            if fresh and backlog + fresh > limits.max_backlog_per_peer:
-                self.node.metrics.refused.labels(reason="peer_backlog").inc()
-                return self.fault(envs[0], SoapFault("Receiver", None, "this peer's backlog of unapplied messages "
-                                                     "is full; retry later"), 503)
-            if fresh and machine.record.accepted_offer is not None and info is not None and info.channel is None:
-                return self._admit_replies(envs[0], caller, machine.record.accepted_offer, backlog + fresh)
+                                  "takes it", action[:200], seq.identifier)
+                    return fault(env, SoapFault("Sender", "wsa:ActionNotSupported",
+                                                f"no handler for action {action[:200]}"))
+        limits = self.limits
+        in_order = _in_order(record.received)
+        too_far = next((e for e in envs if e.sequence.number > in_order + limits.max_gap), None)  # type: ignore[union-attr]
+        if too_far is not None:
+            self.metrics.refused.labels(reason="gap").inc()
+            return fault(too_far, SoapFault("Sender", None, f"message number {too_far.sequence.number} is "  # type: ignore[union-attr]
+                                            f"more than {limits.max_gap} above the last in order ({in_order})"))
+        fresh = sum(1 for e in envs if not ranges.contains(record.received, e.sequence.number))  # type: ignore[union-attr]
+        if not fresh:
+            return None
+        owned = {s.identifier for s in self.destinations.all() if s.info.owner == caller}
+        backlog = self.deliveries.backlog_of(owned)
+        if backlog + fresh > limits.max_backlog_per_peer:
+            self.metrics.refused.labels(reason="peer_backlog").inc()
+            return fault(envs[0], SoapFault("Receiver", None, "this peer's backlog of unapplied messages "
+                                            "is full; retry later"), 503)
+        if record.accepted_offer is not None and info.channel is None:
+            return self._admit_replies(envs[0], caller, record.accepted_offer, backlog + fresh)
         return None
 
     def _admit_replies(self, env: Envelope, caller: str | None, offer: str, coming: int) -> Answer | None:
@@ -396,45 +351,42 @@ class Receiver:
         stored, so that the peer sends them again later) while the replies waiting for the peer's
         acknowledgement and the ``coming`` ones (its unapplied messages) would pass ``max_replies_per_peer``,
         or while that sequence's window is full (further replies would pile up in the store unnumbered)."""
-        waiting, full = self.node.sender.replies_waiting(caller, offer)
-        limit = self.node.limits.max_replies_per_peer
+        waiting, full = self.offers.replies_waiting(caller, offer)
+        limit = self.limits.max_replies_per_peer
         if waiting + coming <= limit and not full:
             return None
-        self.node.metrics.refused.labels(reason="peer_replies").inc()  # (not logged: a peer may retry at any rate)
-        return self.fault(env, SoapFault("Receiver", None, "too many replies wait for this peer's "
-                                         "acknowledgement; acknowledge (or poll for) them, then retry"), 503)
+        self.metrics.refused.labels(reason="peer_replies").inc()  # (not logged: a peer may retry at any rate)
+        return fault(env, SoapFault("Receiver", None, "too many replies wait for this peer's "
+                                    "acknowledgement; acknowledge (or poll for) them, then retry"), 503)
 
-    def _owned_all(self, caller: str | None) -> list[str]:
-        with self._mutex:
-            return [i for i, info in self._infos.items() if info.owner == caller]
-
-    def _store_group(self, identifier: str, group: list["_Arrival"], now: float) -> None:
+    def _store_group(self, seq: Inbound, group: list["_Arrival"], now: float) -> None:
         """Take ``group`` (arrivals of one sequence, under its lock) through the machine, store what it
         accepted in one commit, then give each arrival its answer. An exception answers none of them:
         ``_messages`` raises it to every caller, none of whose messages was acknowledged."""
-        self._reload_if_stale(identifier)
-        machine = self._machines.get(identifier)
-        if machine is None or identifier not in self._infos:  # forgotten while the requests waited
+        identifier = seq.identifier
+        if self.destinations.get(identifier) is not seq:  # forgotten while the requests waited
             for arrival in group:
                 arrival.answer = self._answer(arrival.envs[0], identifier, [unknown_sequence(identifier)])
             return
-        record = machine.record
+        before = seq.machine.record
+        record = before
         accepted: list[Incoming] = []
         for arrival in group:
             record, taken = self._accept(identifier, record, arrival, now)
             accepted += taken
-        if accepted:
-            self._stale.add(identifier)  # until the commit is known to have happened
+
+        def save() -> None:
             with self.store.local() as s:
                 self.store.store_incoming_many(s, accepted)
-                self.store.save_destination(s, self._infos[identifier], record, before=machine.record)
+                self.store.save_destination(s, seq.info, record, before=before)
             failpoint("after_store_before_ack")
-            self.node.metrics.received.inc(len(accepted))
-            self.node.metrics.stored_batch.observe(len(accepted))
-        self._machines[identifier] = DestinationSequence(record)
-        self._stale.discard(identifier)
+
+        seq.adopt(DestinationSequence(record), save if accepted else None)
+        if accepted:
+            self.metrics.received.inc(len(accepted))
+            self.metrics.stored_batch.observe(len(accepted))
         for message in accepted:  # also when stored already, by a commit whose outcome we did not learn
-            self.node.invoker.stored(identifier, message.number, message)
+            self.deliveries.stored(identifier, message.number, message)
         for arrival in group:
             if arrival.answer is None:
                 arrival.answer = self._answer(arrival.envs[-1], identifier, arrival.actions or [])
@@ -444,10 +396,10 @@ class Receiver:
         """Feed one arrival's messages to the machine at ``record``: the record after them and what they
         accepted; or ``record`` unchanged and the arrival answered by a fault (backlog full: 503 before
         anything is stored; a protocol error)."""
-        fresh = sum(1 for e in arrival.envs if not _ranges_contain(record.received, e.sequence.number))  # type: ignore[union-attr]
+        fresh = sum(1 for e in arrival.envs if not ranges.contains(record.received, e.sequence.number))  # type: ignore[union-attr]
         if fresh and self._busy(fresh):
-            fault = SoapFault("Receiver", None, "the node's backlog of unapplied messages is full; retry later")
-            arrival.answer = self.fault(arrival.envs[0], fault, 503)
+            busy = SoapFault("Receiver", None, "the node's backlog of unapplied messages is full; retry later")
+            arrival.answer = fault(arrival.envs[0], busy, 503)
             return record, []
         probe = DestinationSequence(record)
         actions: list[Any] = []
@@ -471,68 +423,63 @@ class Receiver:
         arrival.actions = actions + ack
         return probe.record, accepted
 
-    def _reload_if_stale(self, identifier: str) -> None:
+    def _reload(self, seq: Inbound) -> None:
         """The last store transaction of this sequence failed, perhaps after its COMMIT landed: rebuild the
         machine from the store (the truth) before handling anything else, or a later save would drop a
         number that was stored and acknowledged nowhere else (and its retransmission would be applied twice)."""
-        if identifier not in self._stale:
-            return
         with self.store.local() as s:
             saved = {record.identifier: record for _, record in self.store.destinations(s)}
-        before = self._machines.get(identifier)
-        if identifier in saved:
-            self._machines[identifier] = DestinationSequence(saved[identifier])
+        before = seq.machine.record
+        if seq.identifier in saved:
+            seq.machine = DestinationSequence(saved[seq.identifier])
             # what that transaction stored after all: the invoker was never told (the caller saw an error),
             # and a retransmission is now a duplicate that would not tell it either
-            landed = ranges.difference(saved[identifier].received, before.record.received if before else ())
-            for low, high in landed:
+            for low, high in ranges.difference(saved[seq.identifier].received, before.received):
                 for number in range(low, high + 1):
-                    self.node.invoker.stored(identifier, number)
-        self._stale.discard(identifier)
-        log.info("inbound sequence %s reloaded from the store after a failed transaction", identifier)
+                    self.deliveries.stored(seq.identifier, number)
+        log.info("inbound sequence %s reloaded from the store after a failed transaction", seq.identifier)
 
     def _busy(self, arriving: int = 1) -> bool:
-        return self.node.invoker.backlog() + arriving > self.node.limits.max_invoker_backlog
+        return self.deliveries.backlog() + arriving > self.limits.max_invoker_backlog
 
     def _event(self, env: Envelope, identifier: str, event: Any) -> Answer:
-        lock = self._locks.get(identifier)
-        if lock is None:
+        seq = self.destinations.get(identifier)
+        if seq is None:
             return self._answer(env, identifier, [unknown_sequence(identifier)])
-        with lock:
-            self._reload_if_stale(identifier)
-            machine = self._machines.get(identifier)
-            if machine is None:  # forgotten while this request waited for the lock
+        with seq.changing(self._reload) as machine:
+            if self.destinations.get(identifier) is not seq:  # forgotten while this request waited for the lock
                 return self._answer(env, identifier, [unknown_sequence(identifier)])
             probe = DestinationSequence(machine.record)
             try:
                 actions = probe.handle(event)
             except ProtocolError as exc:
                 return self._protocol_error(env, identifier, exc)
-            if probe.record.state is not machine.record.state or probe.record.last_number != machine.record.last_number:
-                self._stale.add(identifier)
-                with self.store.local() as s:
-                    self.store.save_destination(s, self._infos[identifier], probe.record, before=machine.record)
-            self._machines[identifier] = probe
-            self._stale.discard(identifier)
+            changed = probe.record.state is not machine.record.state or \
+                probe.record.last_number != machine.record.last_number
+            seq.adopt(probe, (lambda: self._save(seq, probe.record, machine.record)) if changed else None)
         for a in actions:
             if isinstance(a, SequenceEnded):
-                self.node.invoker.completed(identifier, probe.record.received)
+                self.deliveries.completed(identifier, probe.record.received)
         return self._answer(env, identifier, actions)
 
-    def _fault_received(self, env: Envelope, fault: SequenceFault, now: float) -> Answer:
+    def _save(self, seq: Inbound, record: DestinationRecord, before: DestinationRecord) -> None:
+        with self.store.local() as s:
+            self.store.save_destination(s, seq.info, record, before=before)
+
+    def _fault_received(self, env: Envelope, body: SequenceFault, now: float) -> Answer:
         """A SequenceFault from the peer of the sequence it names (``handle`` checked that): for one of our
         inbound sequences, or else for our outbound ones."""
-        if fault.identifier is not None and fault.identifier in self._locks:
-            self._event(env, fault.identifier, FaultReceived(fault.code, now))
-        elif fault.identifier is not None:
-            self.node.sender.on_body(fault)
+        if body.identifier is not None and body.identifier in self.destinations:
+            self._event(env, body.identifier, FaultReceived(body.code, now))
+        elif body.identifier is not None:
+            self.outbound.on_body(body)
         else:
-            log.info("a peer sent a SequenceFault that names no sequence: %s", fault.reason)
-        return Answer(None, 202)
+            log.info("a peer sent a SequenceFault that names no sequence: %s", body.reason)
+        return NOTHING
 
     def _protocol_error(self, env: Envelope, identifier: str, exc: ProtocolError) -> Answer:
         log.error("inbound sequence %s: %s", identifier, exc)
-        return self.fault(env, SequenceFault(FaultCode.SEQUENCE_TERMINATED, identifier, str(exc)))
+        return fault(env, SequenceFault(FaultCode.SEQUENCE_TERMINATED, identifier, str(exc)))
 
     def tick(self, now: float) -> None:
         """Inactivity and expiry of inbound sequences; ended ones are forgotten after ``ended_retention``;
@@ -540,20 +487,20 @@ class Receiver:
         if now >= self._next_sweep:
             self._next_sweep = now + SWEEP_INTERVAL_S
             self.sweep(now)
-        retention = self.node.limits.ended_retention
-        for identifier, machine in list(self._machines.items()):
-            record = machine.record
+        retention = self.limits.ended_retention
+        for seq in self.destinations.all():
+            record = seq.machine.record
             if record.state in (D.TERMINATED, D.FAILED):
-                if now - record.last_activity > retention and not self.node.invoker.pending(identifier):
-                    self._forget(identifier)
+                if now - record.last_activity > retention and not self.deliveries.pending(seq.identifier):
+                    self._forget(seq)
                 continue
-            at = machine.next_timer(record)
+            at = seq.machine.next_timer(record)
             if at is not None and at <= now:
-                self._event(_NO_ENVELOPE, identifier, TimerFired(now))
+                self._event(_NO_ENVELOPE, seq.identifier, TimerFired(now))
 
     def sweep(self, now: float) -> int:
         """Forget the applied MessageIDs older than ``dedup_retention``, ``SWEEP_BATCH`` per statement."""
-        forgotten, cutoff = 0, now - self.node.limits.dedup_retention
+        forgotten, cutoff = 0, now - self.limits.dedup_retention
         while True:
             with self.store.local() as s:
                 count = self.store.forget_applied(s, cutoff, SWEEP_BATCH)
@@ -561,91 +508,72 @@ class Receiver:
             if count < SWEEP_BATCH:
                 return forgotten
 
-    def finished(self, identifier: str) -> None:
-        """Every message of an ended sequence was applied: keep only its record, so that late messages still
-        get SequenceTerminated (not UnknownSequence) until ``ended_retention`` has passed."""
-        machine, info = self._machines.get(identifier), self._infos.get(identifier)
-        with self.store.local() as s:
-            self.store.drop_destination(s, identifier)
-            if machine is not None and info is not None:
-                self.store.save_destination(s, info, machine.record)
-        if machine is not None and machine.record.accepted_offer is not None:
-            self.node.sender.end_offer(machine.record.accepted_offer)
-
-    def _forget(self, identifier: str) -> None:
+    def _forget(self, seq: Inbound) -> None:
         """Drop an ended sequence, under its lock: a request that holds the lock finishes first, one that
         waits for it then finds the sequence gone (UnknownSequence) instead of half of it (a 500)."""
-        lock = self._locks.get(identifier)
-        if lock is None:
-            return
-        with lock:
-            self._forget_locked(identifier)
-
-    def _forget_locked(self, identifier: str) -> None:
-        with self.store.local() as s:
-            self.store.drop_destination(s, identifier)
-        with self._mutex:
-            self._machines.pop(identifier, None)
-            info = self._infos.pop(identifier, None)
-            self._locks.pop(identifier, None)
-            if info is not None and info.create_message_id:
-                self._created_by.pop(info.create_message_id, None)
+        with seq.lock:
+            with self.store.local() as s:
+                self.store.drop_destination(s, seq.identifier)
+            self.destinations.remove(seq)
 
     # ------------------------------------------------------------------ answers
 
     def _answer(self, env: Envelope, identifier: str, actions: list[Any]) -> Answer:
         if env is _NO_ENVELOPE:
-            return Answer(None, 202)
+            return NOTHING
         acks: list[SequenceAcknowledgement] = []
         body: Any = None
         for a in actions:
             if isinstance(a, SendAcknowledgement):
                 acks.append(a.ack)
             elif isinstance(a, SendFault):
-                return self.fault(env, a.fault)
+                return fault(env, a.fault)
             elif isinstance(a, SendCreateSequenceResponse):
-                accept = None
-                if a.accepted_offer is not None:
-                    accept = self.node.endpoint or anonymous(env.wsa or WsaVersion.WSA200508)
-                behavior = IncompleteSequenceBehavior.NO_DISCARD if env.rm is RMVersion.WSRM11 else None
-                batch = env.body.batch if isinstance(env.body, CreateSequence) else None
-                body = CreateSequenceResponse(a.identifier, a.expires, incomplete_behavior=behavior,
-                                              accept_acks_to=accept,
-                                              batch=min(batch, self.node.limits.max_batch) if batch else None)
+                body = self._create_response(env, a)
             elif isinstance(a, SendCloseSequenceResponse):
                 body = CloseSequenceResponse(a.identifier)
             elif isinstance(a, SendTerminateSequenceResponse):
                 body = TerminateSequenceResponse(a.identifier)
-        info = self._infos.get(identifier)
+        info = self.destinations.info(identifier)
         if acks and info is not None and info.acks_to and not _anonymous(info.acks_to) and body is None:
-            self.node.send_acks_to(info, env, acks)  # addressable AcksTo: acknowledged there, not here
+            self._send_acks_to(info, env, acks)  # addressable AcksTo: acknowledged there, not here
             acks = []
         if not acks and body is None:
-            return Answer(None, 202)
+            return NOTHING
         reply = Envelope(soap=env.soap, rm=env.rm, wsa=env.wsa, acks=tuple(acks), body=body,
-                         addressing=self._reply_addressing(env, ""))
+                         addressing=reply_addressing(env, ""))
         act = default_action(reply)
         return Answer(replace(reply, addressing=replace(reply.addressing, action=act)), 200)
 
-    def _reply_addressing(self, env: Envelope, act: str) -> Addressing:
-        wsa = env.wsa or WsaVersion.WSA200508
-        return Addressing(action=act, to=anonymous(wsa), message_id=f"urn:uuid:{uuid.uuid4()}",
-                          relates_to=env.addressing.message_id)
+    def _create_response(self, env: Envelope, a: SendCreateSequenceResponse) -> CreateSequenceResponse:
+        accept = None
+        if a.accepted_offer is not None:
+            accept = self.endpoint or anonymous(env.wsa or WsaVersion.WSA200508)
+        behavior = IncompleteSequenceBehavior.NO_DISCARD if env.rm is RMVersion.WSRM11 else None
+        batch = env.body.batch if isinstance(env.body, CreateSequence) else None
+        return CreateSequenceResponse(a.identifier, a.expires, incomplete_behavior=behavior, accept_acks_to=accept,
+                                      batch=min(batch, self.limits.max_batch) if batch else None)
 
-    def fault(self, env: Envelope, fault: SequenceFault | SoapFault, status: int | None = None) -> Answer:
-        reply = Envelope(soap=env.soap, rm=env.rm, wsa=env.wsa or WsaVersion.WSA200508, body=fault,
-                         addressing=self._reply_addressing(env, ""))
-        if isinstance(fault, SequenceFault) and env.rm is not None:
-            act = default_action(reply)
-        elif isinstance(fault, SoapFault) and (fault.subcode or "").startswith(f"{{{WSMC_NS}}}"):
-            act = WSMC_FAULT_ACTION
-        else:
-            act = WSA_FAULT_ACTION[env.wsa or WsaVersion.WSA200508]
-        reply = replace(reply, addressing=replace(reply.addressing, action=act))
-        if status is None:
-            sender = isinstance(fault, SequenceFault) or fault.code.endswith("Sender")
-            status = 400 if sender and env.soap.value == "1.2" else 500
-        return Answer(reply, status)
+    def _send_acks_to(self, info: DestinationInfo, request: Envelope, acks: list[SequenceAcknowledgement]) -> None:
+        """Acknowledgements for a sequence whose AcksTo is addressable: POST them there (or, for a WS-MC
+        address, hold them for the peer's poll)."""
+        assert info.acks_to is not None
+        wsa = request.wsa or WsaVersion.WSA200508
+        rm = request.rm or RMVersion.WSRM11
+        envelope = Envelope(soap=request.soap, rm=rm, wsa=wsa, acks=tuple(acks), addressing=Addressing(
+            action=rm_action(rm, "SequenceAcknowledgement"), to=info.acks_to, message_id=f"urn:uuid:{uuid.uuid4()}",
+            reply_to=anonymous(wsa)))
+        client = mc_id(info.acks_to)
+        if client is not None:  # a peer that cannot listen: it fetches them with MakeConnection
+            self.mailbox.hold(info.owner, client, envelope)
+            return
+        self._run(self._post_acks, info.acks_to, envelope)
+
+    def _post_acks(self, address: str, envelope: Envelope) -> None:
+        try:
+            self.transport.post(address, wire(envelope), envelope.soap, envelope.addressing.action)
+        except TransportError as exc:
+            log.debug("acknowledgement to %s not delivered (the source will ask again): %s", address, exc)
 
 
 class _Arrival:
@@ -681,10 +609,6 @@ def _address(address: str | None) -> str | None:
 def _in_order(received: tuple[tuple[int, int], ...]) -> int:
     """The highest number below which every number was received (0: not even 1)."""
     return next((upper for lower, upper in received if lower == 1), 0)
-
-
-def _ranges_contain(received: tuple[tuple[int, int], ...], number: int) -> bool:
-    return any(lower <= number <= upper for lower, upper in received)
 
 
 class _NoEnvelope:

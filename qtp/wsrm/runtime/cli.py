@@ -63,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     single_malloc_arena()  # before any thread: see its docstring
     node = _load_app(args.app) if args.app else Node.from_config(args.config or "qtp.toml")
+    node.start()  # after the application registered its handlers
     install(node.manager)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
