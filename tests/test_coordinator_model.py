@@ -1,6 +1,6 @@
 """The coordinator against a simple model, through faults, interrupts, crashes, restarts and recovery.
 
-The "databases" are three ``MemoryStore`` objects. Like real databases they outlive the transaction manager
+The "databases" are three ``MemoryDatabase`` objects. Like real databases they outlive the transaction manager
 that wrote to them: committed data, prepared branches and the locks those hold survive a crash; a branch not
 yet prepared dies with its connection. The rules run global transactions over them with faults injected
 (a resource that votes no or loses its connection, a KeyboardInterrupt at a failpoint or inside a resource
@@ -50,7 +50,7 @@ from qtp.errors import (
     RollbackError,
 )
 from qtp.xa import MemoryResource
-from qtp.xa._memory import MemoryStore
+from qtp.xa._memory import MemoryDatabase
 
 NAMES = ("r0", "r1", "r2")
 NODE = "model"
@@ -167,7 +167,7 @@ class CoordinatorModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="qtp-model-")
-        self.stores = {n: MemoryStore() for n in NAMES}
+        self.stores = {n: MemoryDatabase() for n in NAMES}
         self.records: list[Record] = []
         self.tm: TransactionManager | None = None
         self.killed = False

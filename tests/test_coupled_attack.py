@@ -62,7 +62,7 @@ def test_an_original_too_large_for_a_request_is_refused_at_send_not_stored_to_bl
     payload = f"<open id='acc-big' pad='{'x' * 120_000}'/>".encode()
     with a.node.manager.transaction() as tx:
         with pytest.raises(Exception):
-            a.node.send(tx, bb.id, payload, action=OPEN)  # the plain send refuses it
+            a.node.enqueue(tx, bb.id, payload, action=OPEN)  # the plain send refuses it
     refused = None
     try:
         with a.node.manager.transaction() as tx:

@@ -69,7 +69,7 @@ class Mallory:
 
     def send(self, to: str, control: wire.Control) -> None:
         with self.node.manager.transaction() as tx:
-            self.node.send(tx, to, wire.encode(control), action=wire.ACTION[control.kind], key=control.id)
+            self.node.enqueue(tx, to, wire.encode(control), action=wire.ACTION[control.kind], key=control.id)
 
     def close(self) -> None:
         self.node.close()

@@ -26,7 +26,7 @@ from qtp.embedded import free_port
 from qtp.recovery import QUARANTINE_FILE, read_quarantine, recover_node
 from qtp.recovery._core import HEURISTIC, LOG_MISSING, NOT_CONFIGURED, QUARANTINED
 from qtp.testing.crash_workload import check_pair, drain, setup_database, write_config
-from qtp.xa import MemoryResource, MemoryStore, Xid
+from qtp.xa import MemoryResource, MemoryDatabase, Xid
 
 _ids = itertools.count()
 
@@ -37,7 +37,7 @@ class MemoryNode:
     def __init__(self, tmp_path, extra: str = ""):
         n = next(_ids)
         self.node_id = f"mem{n}"
-        self.stores = {name: MemoryStore.named(f"rc{n}{name}") for name in ("x", "y")}
+        self.stores = {name: MemoryDatabase.named(f"rc{n}{name}") for name in ("x", "y")}
         self.log_root = tmp_path / "logs"
         self.log_dir = self.log_root / self.node_id
         self.config_path = tmp_path / f"{self.node_id}.toml"
@@ -191,7 +191,7 @@ def test_start_up_recovery_resolves_what_the_last_run_left(tmp_path):
 
 
 def _store_name(node: MemoryNode, branch: str) -> str:
-    return next(k for k, v in MemoryStore._named.items() if v is node.stores[branch])
+    return next(k for k, v in MemoryDatabase._named.items() if v is node.stores[branch])
 
 
 def test_recovery_inside_the_manager_never_touches_a_transaction_in_flight(tmp_path):

@@ -11,7 +11,7 @@ import sqlalchemy
 from sqlalchemy import text
 
 from qtp.errors import ConnectionClosedError
-from qtp.xa import MemoryResource, MemoryStore, MySQLResource, PostgresResource, Resource, Vote, Xid
+from qtp.xa import MemoryResource, MemoryDatabase, MySQLResource, PostgresResource, Resource, Vote, Xid
 
 NODE = "node-a"
 
@@ -83,7 +83,7 @@ def _run_raw(engine: sqlalchemy.Engine, statements: list[str]) -> None:
 
 
 def _memory_kit() -> Kit:
-    store = MemoryStore()
+    store = MemoryDatabase()
 
     def prepare_foreign() -> Callable[[], None]:
         other = MemoryResource("kv", "node-b", store)

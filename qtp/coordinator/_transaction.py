@@ -283,7 +283,7 @@ class Transaction:
                 f"tx.send({channel!r}, ...): node {self.manager.node_id!r} has no channels; add a "
                 f"[channels.{channel}] table (peer, store) to its qtp.toml, or build a qtp.Node"
             )
-        return node.send(self, channel, payload, action=action, message_id=message_id, key=key)
+        return node.enqueue(self, channel, payload, action=action, message_id=message_id, key=key)
 
     def _run_on_commit(self) -> None:
         for callback in self._on_commit:

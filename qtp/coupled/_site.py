@@ -87,7 +87,7 @@ class Site:
         store.enqueue(conn, self.outgoing(channel, control.id, control.kind, encode(control)))
 
     def send(self, tx: Any, channel: str, control: Control) -> None:
-        self.node.send(tx, channel, encode(control), action=ACTION[control.kind], key=control.id)
+        self.node.enqueue(tx, channel, encode(control), action=ACTION[control.kind], key=control.id)
 
     def wake_sender(self) -> None:
         self.node.wake()

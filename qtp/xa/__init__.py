@@ -6,7 +6,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from qtp.xa._memory import MemoryConnection, MemoryResource, MemoryStore
+from qtp.xa._memory import MemoryConnection, MemoryResource, MemoryDatabase
 from qtp.xa._mysql import MySQLResource, share_tls_context
 from qtp.xa._postgres import PostgresResource
 from qtp.xa._resource import Resource, Vote
@@ -14,7 +14,7 @@ from qtp.xa._sql import BranchConnection, normalize_url
 from qtp.xa._xid import FORMAT_ID, Xid
 
 __all__ = [
-    "FORMAT_ID", "BranchConnection", "MemoryConnection", "MemoryResource", "MemoryStore", "MySQLResource",
+    "FORMAT_ID", "BranchConnection", "MemoryConnection", "MemoryResource", "MemoryDatabase", "MySQLResource",
     "PostgresResource", "Resource", "Vote", "Xid", "normalize_url", "resource_for", "share_tls_context",
 ]
 
@@ -24,7 +24,7 @@ def resource_for(name: str, target: str | Engine | Resource, node_id: str, **eng
     if isinstance(target, Resource):
         return target
     if isinstance(target, str) and target.startswith("memory://"):
-        return MemoryResource(name, node_id, MemoryStore.named(target[len("memory://"):] or name))
+        return MemoryResource(name, node_id, MemoryDatabase.named(target[len("memory://"):] or name))
     url = normalize_url(target.url if isinstance(target, Engine) else target)
     cls = PostgresResource if url.get_backend_name() == "postgresql" else MySQLResource
     return cls(name, target, node_id, **engine_kw)

@@ -2,7 +2,7 @@
 
 Each branch buffers its writes and holds a no-wait lock on every key it writes; prepare moves the
 writes into the store's prepared set (which outlives the transaction manager that made them, as a
-database would), commit applies them, rollback drops them. ``MemoryStore`` is the "database"; several
+database would), commit applies them, rollback drops them. ``MemoryDatabase`` is the "database"; several
 ``MemoryResource`` objects on one store are the same database and share one branch.
 
 Faults can be injected at any step (``resource.inject(step, exc)``) for the coordinator's model tests.
@@ -22,16 +22,16 @@ from qtp.xa._xid import Xid, validate_name
 _DELETED = object()
 
 
-class MemoryStore:
+class MemoryDatabase:
     """The durable side of an in-memory resource: committed data, prepared branches, key locks.
 
-    ``MemoryStore.named("x")`` returns the process's store called "x" (what ``memory://x`` URLs reach).
+    ``MemoryDatabase.named("x")`` returns the process's store called "x" (what ``memory://x`` URLs reach).
     """
 
-    _named: dict[str, "MemoryStore"] = {}
+    _named: dict[str, "MemoryDatabase"] = {}
 
     @classmethod
-    def named(cls, name: str) -> "MemoryStore":
+    def named(cls, name: str) -> "MemoryDatabase":
         return cls._named.setdefault(name, cls())
 
     def __init__(self) -> None:
@@ -84,10 +84,10 @@ class MemoryConnection:
 
 
 class MemoryResource(Resource):
-    def __init__(self, name: str, node_id: str, store: MemoryStore | None = None):
+    def __init__(self, name: str, node_id: str, store: MemoryDatabase | None = None):
         self.name = validate_name("resource name", name)
         self.node_id = node_id
-        self.store = store if store is not None else MemoryStore()
+        self.store = store if store is not None else MemoryDatabase()
         self.identity = ("memory", id(self.store))
         self._branches: dict[Xid, _Branch] = {}
         self._faults: dict[str, list[BaseException]] = {}

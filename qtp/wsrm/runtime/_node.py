@@ -223,10 +223,10 @@ class Node:
             raise ConfigurationError(f"the payload of {len(payload)} bytes is over the limit of "
                                      f"{self.limits.max_request_bytes - 4096} ([limits] max_request_bytes)")
 
-    def send(self, tx: Any, channel: str, payload: bytes | str, action: str, message_id: str | None = None,
-             key: str | None = None) -> str:
-        """Enqueue ``payload`` on ``channel`` inside transaction ``tx`` (``tx.send`` calls this); messages with
-        the same ``key`` travel in one lane, in commit order."""
+    def enqueue(self, tx: Any, channel: str, payload: bytes | str, action: str, message_id: str | None = None,
+                key: str | None = None) -> str:
+        """Enqueue ``payload`` on ``channel`` inside transaction ``tx``: what ``tx.send`` does (the one way an
+        application sends); messages with the same ``key`` travel in one lane, in commit order."""
         settings = self.channels.get(channel)
         if settings is None:
             known = ", ".join(sorted(self.channels)) or "none"

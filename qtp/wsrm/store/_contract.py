@@ -22,12 +22,13 @@ Every method takes a *session* ``s`` as its first argument. A session is the sto
 
 - ``with store.local() as s:`` a local transaction of the store (the sender's numbering, the endpoint's
   receive path, acknowledgements): committed when the block ends, rolled back on an exception;
-- ``store.enlisted(tx)``: the store's part of global transaction ``tx``. For a SQL store in ``xa`` mode
-  this is the branch connection of its resource (``tx.connection(name)``), so enqueue and dequeue commit
-  or roll back with the application's own updates, in one local commit when the application's database
-  is the store's. Buffered sessions (``memory`` and ``persistent`` modes) record the calls and replay them
-  in a local transaction after the global transaction commits: that is what makes those modes lose or
-  duplicate messages when a node dies between the two commits (docs/messaging.md lists the windows).
+- the store's part of a global transaction ``tx`` (the runtime's ``Stores.enlisted(tx, channel)``, the one
+  place that looks at a channel's mode). For a SQL store in ``xa`` mode the session is the branch connection
+  of its resource (``tx.connection(name)``), so enqueue and dequeue commit or roll back with the
+  application's own updates, in one local commit when the application's database is the store's. In
+  ``memory`` and ``persistent`` modes the calls are recorded (``Buffered``) and replayed in a local
+  transaction after the global transaction commits: that is what makes those modes lose or duplicate
+  messages when a node dies between the two commits (docs/messaging.md lists the windows).
 
 Rules every implementation keeps (tests/test_wsrm_store.py runs them on memory, PostgreSQL and MariaDB):
 
