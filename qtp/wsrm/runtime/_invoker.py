@@ -160,7 +160,7 @@ class Invoker:
         self._wake = wake
         self.clock = clock
         self._machines: dict[str, InvokerBuffer] = {}
-        self._mutex = threading.RLock()
+        self._mutex = threading.Lock()
         self._schedule = _Schedule(clock)
         self._cache: dict[tuple[str, int], Incoming] = {}  # just stored, not yet applied
         self._outages: dict[tuple[str, int], int] = {}  # transient failures in a row, per message (not attempts)
@@ -190,11 +190,15 @@ class Invoker:
 
     def ensure(self, identifier: str) -> InvokerBuffer:
         with self._mutex:
-            machine = self._machines.get(identifier)
-            if machine is None:
-                record = InvokerRecord(identifier, in_order=identifier != REDELIVERY)
-                machine = self._machines[identifier] = InvokerBuffer(record)
-            return machine
+            return self._buffer(identifier)
+
+    def _buffer(self, identifier: str) -> InvokerBuffer:
+        """The buffer of ``identifier``, made when missing; ``_mutex`` is held."""
+        machine = self._machines.get(identifier)
+        if machine is None:
+            record = InvokerRecord(identifier, in_order=identifier != REDELIVERY)
+            machine = self._machines[identifier] = InvokerBuffer(record)
+        return machine
 
     def stored(self, identifier: str, number: int, message: Incoming | None = None) -> None:
         """``number`` of ``identifier`` is stored; ``message``, when given, is what was stored (kept in memory
@@ -202,12 +206,12 @@ class Invoker:
         with self._mutex:
             if message is not None and len(self._cache) < CACHE_MAX:
                 self._cache[identifier, number] = message
-            actions = self.ensure(identifier).handle(MessageStored(number))
+            actions = self._buffer(identifier).handle(MessageStored(number))
         self._dispatch(actions)
 
     def completed(self, identifier: str, received: AckRanges) -> None:
         with self._mutex:
-            machine = self.ensure(identifier)
+            machine = self._buffer(identifier)
             if machine.record.final is not None:
                 return
             actions = machine.handle(SequenceCompleted(received))
@@ -218,7 +222,7 @@ class Invoker:
         with self.store.local() as s:
             waiting = self.store.incoming(s, REDELIVERY)
         with self._mutex:
-            known = self.ensure(REDELIVERY).record
+            known = self._buffer(REDELIVERY).record
             fresh = [m.number for m in waiting
                      if not ranges.contains(known.stored, m.number) and not ranges.contains(known.delivered, m.number)]
         for number in fresh:
@@ -347,7 +351,7 @@ class Invoker:
         if head.attempts or not rest:
             return []
         with self._mutex:
-            record = self.ensure(head.identifier).record
+            record = self._buffer(head.identifier).record
         if not record.in_order:
             return []
         batch: list[Incoming] = []
@@ -363,7 +367,7 @@ class Invoker:
     def _delivered_record(self, identifier: str, numbers: list[int]) -> InvokerRecord:
         """The invoker record once ``numbers`` (consecutive, the first one in flight) are delivered."""
         with self._mutex:
-            probe = InvokerBuffer(self.ensure(identifier).record)
+            probe = InvokerBuffer(self._buffer(identifier).record)
         for number in numbers:
             if number not in probe.record.in_flight:
                 probe = InvokerBuffer(replace(probe.record, in_flight=(*probe.record.in_flight, number)))
@@ -440,7 +444,7 @@ class Invoker:
             self._outages.pop((identifier, number), None)
         actions: list[Any] = []
         with self._mutex:
-            machine = self.ensure(identifier)
+            machine = self._buffer(identifier)
             if number not in machine.record.in_flight:
                 return
             pending = list(machine.handle(DeliveryCommitted(number)))
@@ -462,7 +466,7 @@ class Invoker:
 
     def _abort(self, identifier: str, number: int, at: float) -> None:
         with self._mutex:
-            machine = self.ensure(identifier)
+            machine = self._buffer(identifier)
             if number not in machine.record.in_flight:
                 return
             actions = machine.handle(DeliveryAborted(number))

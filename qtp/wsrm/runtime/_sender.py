@@ -308,8 +308,8 @@ class Sender:
                 log.debug("sequence %s saved: next %d, acked %s, pending %d, events %s", seq.key,
                           probe.record.next_number, probe.record.acked, len(probe.record.pending),
                           sorted({type(e).__name__ for e in events}))
-            if probe.record.identifier != machine.record.identifier:
-                self.sources.identified(seq)
+            if probe.record.identifier and self.sources.by_identifier(probe.record.identifier) is not seq:
+                self.sources.identified(seq)  # (the response came, or a reload brought the identifier)
             if ended:
                 self._forget(seq)
         self._carry_out(seq, actions, messages or [])
@@ -701,9 +701,9 @@ class Sender:
                 entry["retransmission_timeout_seconds"] = seq.rtt.timeout
         return stats
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on a sender thread (a best-effort send that nothing waits for)."""
-        self._run(fn)
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on a sender thread (a best-effort send that nothing waits for)."""
+        self._run(fn, *args)
 
     def close(self) -> None:
         if self._pool is not None:
