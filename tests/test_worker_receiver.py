@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 
 from fakes_runtime import FakeClock, FakeTransport, run_inline
-from qtp.wsrm.codec import Addressing, Envelope, SoapFault, SoapVersion, WsaVersion, anonymous
+from qtp.wsrm.codec import Addressing, Envelope, SoapFault, SoapVersion, WsaVersion, anonymous, decode
 from qtp.wsrm.protocol import (
     AckRequested,
     CloseSequence,
@@ -146,6 +146,7 @@ class Rig:
     outbound: Outbound
     sources: Sources
     clock: FakeClock
+    transport: FakeTransport
     wake: Wake
 
     def create(self, caller: str | None = None, offer: Offer | None = None, message_id: str = "urn:uuid:cs-1") -> str:
@@ -165,11 +166,11 @@ def build(limits: Limits | None = None, store: StoreWithFaults | None = None) ->
     ownership = Ownership(destinations, sources, {}, security, metrics)
     handlers = HandlerTable()
     handlers.requests[ACTION] = lambda tx, message: None
-    invoker, outbound = Invoker(), Outbound()
+    invoker, outbound, transport = Invoker(), Outbound(), FakeTransport()
     receiver = Receiver(limits, security, "127.0.0.1", ENDPOINT, store, destinations, offers, outbound, invoker,
                         handlers, Mailbox(limits, metrics, sources, destinations, clock), ownership, metrics,
-                        FakeTransport(), run_inline, clock)
-    return Rig(receiver, store, invoker, outbound, sources, clock, wake)
+                        transport, run_inline, clock)
+    return Rig(receiver, store, invoker, outbound, sources, clock, transport, wake)
 
 
 def envelope(body: Any = None, message_id: str | None = None, **parts: Any) -> Envelope:
@@ -349,6 +350,25 @@ def test_a_batch_with_a_message_of_another_peer_stores_nothing() -> None:
     assert rig.store.stored_per_commit == []
 
 
+def test_ack_requested_is_answered_with_what_was_stored() -> None:
+    rig = build()
+    identifier = rig.create()
+    rig.receiver.handle(message(identifier, 2))
+    answer = rig.receiver.handle(envelope(None, "urn:uuid:a-1", ack_requests=(AckRequested(identifier),)))
+    assert acked(answer, identifier) == ((2, 2),)
+
+
+def test_with_an_addressable_acks_to_the_acknowledgement_is_posted_there_not_answered() -> None:
+    rig = build()
+    answer = rig.receiver.handle(envelope(CreateSequence(acks_to=CLIENT), "urn:uuid:cs-1"))
+    identifier = answer.envelope.body.identifier  # type: ignore[union-attr]
+    stored = rig.receiver.handle(message(identifier, 1))
+    assert stored.envelope is None or not stored.envelope.acks
+    [(url, data)] = rig.transport.posts
+    ack = decode(data).acks
+    assert url == CLIENT and [(a.identifier, a.ranges) for a in ack] == [(identifier, ((1, 1),))]
+
+
 # ---------------------------------------------------------------------------------------------- stale reload
 
 
@@ -400,6 +420,14 @@ def test_a_peer_whose_backlog_is_full_gets_503_before_storing_and_other_peers_go
     assert acked(rig.receiver.handle(message(mine, 3), "alice"), mine) == ((1, 3),)
 
 
+def test_a_node_whose_invoker_backlog_is_full_gets_503_before_storing() -> None:
+    rig = build(Limits(max_invoker_backlog=1))
+    identifier = rig.create()
+    rig.receiver.handle(message(identifier, 1))
+    assert rig.receiver.handle(message(identifier, 2)).status == 503
+    assert rig.store.numbers(identifier) == [1] and rig.store.record(identifier).received == ((1, 1),)
+
+
 def test_a_peer_at_its_quota_of_sequences_is_refused_a_new_one_and_other_peers_are_not() -> None:
     rig = build(Limits(max_sequences_per_peer=1))
     rig.create("alice", message_id="urn:uuid:cs-1")
@@ -431,6 +459,12 @@ def test_another_peer_may_not_send_close_or_ask_for_acks_on_a_sequence() -> None
                                "bob").status == 403
     assert rig.store.numbers(identifier) == []
     assert rig.store.record(identifier).state is DestinationState.ACTIVE
+
+
+def test_a_retransmitted_create_sequence_of_another_peer_does_not_get_its_sequence() -> None:
+    rig = build()
+    mine = rig.create("alice", message_id="urn:uuid:cs-1")
+    assert rig.create("bob", message_id="urn:uuid:cs-1") != mine
 
 
 def test_another_peer_may_not_acknowledge_the_replies_a_peer_offered_for() -> None:
@@ -471,7 +505,8 @@ def test_a_silent_sequence_ends_after_its_inactivity_timeout() -> None:
     assert rig.store.record(identifier).state is DestinationState.ACTIVE and rig.invoker.completions == []
     rig.clock.advance(2.0)
     rig.receiver.tick(rig.clock.time())
-    assert rig.store.record(identifier).state not in (DestinationState.ACTIVE, DestinationState.CLOSED)
+    assert rig.store.record(identifier).state is DestinationState.TERMINATED
+    assert rig.store.record(identifier).end_reason == "InactivityTimeout"
     assert rig.invoker.completions == [(identifier, ((1, 1),))]
 
 
