@@ -13,8 +13,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from fakes_runtime import FakeClock, FakeTransport, run_inline
-from qtp.wsrm.codec import Addressing, Envelope, SoapFault, SoapVersion, WsaVersion, anonymous, decode
+from fakes_runtime import FakeClock, FakeTransport, inline
+from qtp.wsrm.codec import Addressing, Envelope, SoapFault, SoapVersion, WsaVersion, anonymous
 from qtp.wsrm.protocol import (
     AckRequested,
     CloseSequence,
@@ -32,7 +32,7 @@ from qtp.wsrm.protocol import (
     TerminateSequenceResponse,
 )
 from qtp.wsrm.protocol import _ranges as ranges
-from qtp.wsrm.runtime._answers import Answer
+from qtp.wsrm.runtime._answers import NOTHING, Answer
 from qtp.wsrm.runtime._mailbox import Mailbox
 from qtp.wsrm.runtime._metrics import Metrics
 from qtp.wsrm.runtime._node import HandlerTable
@@ -166,10 +166,10 @@ def build(limits: Limits | None = None, store: StoreWithFaults | None = None) ->
     ownership = Ownership(destinations, sources, {}, security, metrics)
     handlers = HandlerTable()
     handlers.requests[ACTION] = lambda tx, message: None
-    invoker, outbound, transport = Invoker(), Outbound(), FakeTransport()
+    invoker, outbound, transport = Invoker(), Outbound(), FakeTransport(lambda url, envelopes: NOTHING)
     receiver = Receiver(limits, security, "127.0.0.1", ENDPOINT, store, destinations, offers, outbound, invoker,
                         handlers, Mailbox(limits, metrics, sources, destinations, clock), ownership, metrics,
-                        transport, run_inline, clock)
+                        transport, inline, clock)
     return Rig(receiver, store, invoker, outbound, sources, clock, transport, wake)
 
 
@@ -364,9 +364,9 @@ def test_with_an_addressable_acks_to_the_acknowledgement_is_posted_there_not_ans
     identifier = answer.envelope.body.identifier  # type: ignore[union-attr]
     stored = rig.receiver.handle(message(identifier, 1))
     assert stored.envelope is None or not stored.envelope.acks
-    [(url, data)] = rig.transport.posts
-    ack = decode(data).acks
-    assert url == CLIENT and [(a.identifier, a.ranges) for a in ack] == [(identifier, ((1, 1),))]
+    [request] = rig.transport.requests
+    acks = [(a.identifier, a.ranges) for env in request.envelopes for a in env.acks]
+    assert request.url == CLIENT and acks == [(identifier, ((1, 1),))]
 
 
 # ---------------------------------------------------------------------------------------------- stale reload
