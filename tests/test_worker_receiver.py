@@ -56,13 +56,13 @@ ANON = anonymous(W05)
 
 class StoreWithFaults(MemoryStore):
     """The memory store, with a record of what each local transaction stored, and two faults on demand: a
-    transaction that raises after its commit landed (``fail_after_commit``: its outcome was unknown to the
-    caller), and one that waits, before its commit, until the test releases it (``hold``)."""
+    transaction that raises after its commit landed (its outcome unknown to the caller: ``fail_after_commit``),
+    and one that waits, before its commit, until the test releases it (``hold``)."""
 
     def __init__(self) -> None:
         super().__init__("wrecv")
         self.stored_per_commit: list[list[int]] = []
-        self.fail_after_commit = 0
+        self._outcomes: list[bool] = []
         self.hold: threading.Event | None = None
         self.holding = threading.Event()
 
@@ -74,9 +74,12 @@ class StoreWithFaults(MemoryStore):
                 hold, self.hold = self.hold, None
                 self.holding.set()
                 assert hold.wait(10), "the test never released the held commit"
-        if self.fail_after_commit:
-            self.fail_after_commit -= 1
+        if self._outcomes and self._outcomes.pop(0):
             raise ConnectionError("the connection dropped after COMMIT was sent")
+
+    def fail_after_commit(self, *pattern: bool) -> None:
+        """What the next commits do: True lands, then raises; False lands."""
+        self._outcomes = list(pattern or (True,))
 
     def store_incoming_many(self, s: Any, messages: list[Incoming]) -> None:
         self.stored_per_commit.append([m.number for m in messages])
@@ -261,7 +264,7 @@ def test_a_message_is_stored_then_acknowledged_and_the_invoker_told() -> None:
 def test_a_message_whose_store_failed_is_not_acknowledged() -> None:
     rig = build()
     identifier = rig.create()
-    rig.store.fail_after_commit = 1
+    rig.store.fail_after_commit()
     with pytest.raises(ConnectionError):
         rig.receiver.handle(message(identifier, 1))
     assert rig.invoker.told[identifier] == []  # nothing is applied from an answer the caller never got
@@ -311,6 +314,42 @@ def test_requests_waiting_for_a_sequence_are_stored_in_one_commit() -> None:
     for number in (2, 3):  # each answer acknowledges its own message and every one before it
         assert ranges.contains(acked(answers[number], identifier), number)
         assert ranges.contains(acked(answers[number], identifier), 1)
+
+
+def test_when_a_group_commit_fails_no_request_of_the_group_is_acknowledged() -> None:
+    """The commit of the group (messages 2 and 3, queued behind message 1) lands and then raises: both requests
+    fail, neither is acknowledged; the invoker is told of each once (by the reload), and a retransmission is
+    recognised as stored."""
+    rig = build()
+    identifier = rig.create()
+    seq = rig.receiver.destinations.get(identifier)
+    release = rig.store.hold = threading.Event()
+    rig.store.fail_after_commit(False, True)
+    outcomes: dict[int, Any] = {}
+
+    def send(number: int) -> None:
+        try:
+            outcomes[number] = rig.receiver.handle(message(identifier, number))
+        except Exception as exc:
+            outcomes[number] = exc
+
+    first = threading.Thread(target=send, args=(1,))
+    first.start()
+    assert rig.store.holding.wait(10)
+    queued = _Queue(seq)
+    others = [threading.Thread(target=send, args=(n,)) for n in (2, 3)]
+    for thread in others:
+        thread.start()
+    assert queued.wait_for(2)
+    release.set()
+    for thread in [first, *others]:
+        thread.join(10)
+    assert acked(outcomes[1], identifier) == ((1, 1),)
+    assert isinstance(outcomes[2], Exception) and isinstance(outcomes[3], Exception)
+    assert sorted(rig.invoker.told[identifier]) == [1, 2, 3]  # the request that waited behind it reloaded
+    assert acked(rig.receiver.handle(message(identifier, 3)), identifier) == ((1, 3),)
+    assert sorted(rig.invoker.told[identifier]) == [1, 2, 3]
+    assert sorted(map(sorted, rig.store.stored_per_commit)) == [[1], [2, 3]]
 
 
 class _Queue(list):  # type: ignore[type-arg]
@@ -375,7 +414,7 @@ def test_with_an_addressable_acks_to_the_acknowledgement_is_posted_there_not_ans
 def test_after_a_commit_of_unknown_outcome_the_next_request_reloads_and_the_invoker_learns_what_landed() -> None:
     rig = build()
     identifier = rig.create()
-    rig.store.fail_after_commit = 1
+    rig.store.fail_after_commit()
     with pytest.raises(ConnectionError):
         rig.receiver.handle(message(identifier, 1))  # its commit landed; the caller saw an error
     answer = rig.receiver.handle(message(identifier, 2))
