@@ -500,10 +500,13 @@ def test_another_peer_may_not_send_close_or_ask_for_acks_on_a_sequence() -> None
     assert rig.store.record(identifier).state is DestinationState.ACTIVE
 
 
-def test_a_retransmitted_create_sequence_of_another_peer_does_not_get_its_sequence() -> None:
+def test_a_create_sequence_that_reuses_another_peers_message_id_neither_gets_nor_hides_its_sequence() -> None:
     rig = build()
     mine = rig.create("alice", message_id="urn:uuid:cs-1")
-    assert rig.create("bob", message_id="urn:uuid:cs-1") != mine
+    theirs = rig.create("bob", message_id="urn:uuid:cs-1")
+    assert theirs != mine
+    assert rig.create("alice", message_id="urn:uuid:cs-1") == mine  # alice's retransmission
+    assert rig.create("bob", message_id="urn:uuid:cs-1") == theirs
 
 
 def test_another_peer_may_not_acknowledge_the_replies_a_peer_offered_for() -> None:
