@@ -94,7 +94,7 @@ class StoreWithFaults(MemoryStore):
             return next((r for _, r in self.destinations(s) if r.identifier == identifier), None)
 
 
-class Invoker:
+class RecordingInvoker:
     """What the receiver tells the invoker (``Deliveries``), recorded; nothing is applied until ``apply``."""
 
     def __init__(self) -> None:
@@ -128,7 +128,7 @@ class Invoker:
 
 
 @dataclass
-class Outbound:
+class SenderEvents:
     """What the receiver tells the sender."""
 
     acks: list[SequenceAcknowledgement] = field(default_factory=list)
@@ -145,8 +145,8 @@ class Outbound:
 class Rig:
     receiver: Receiver
     store: StoreWithFaults
-    invoker: Invoker
-    outbound: Outbound
+    invoker: RecordingInvoker
+    outbound: SenderEvents
     sources: Sources
     clock: FakeClock
     transport: FakeTransport
@@ -169,7 +169,7 @@ def build(limits: Limits | None = None, store: StoreWithFaults | None = None) ->
     ownership = Ownership(destinations, sources, {}, security, metrics)
     handlers = HandlerTable()
     handlers.requests[ACTION] = lambda tx, message: None
-    invoker, outbound, transport = Invoker(), Outbound(), FakeTransport(lambda url, envelopes: NOTHING)
+    invoker, outbound, transport = RecordingInvoker(), SenderEvents(), FakeTransport(lambda url, envelopes: NOTHING)
     receiver = Receiver(limits, security, "127.0.0.1", ENDPOINT, store, destinations, offers, outbound, invoker,
                         handlers, Mailbox(limits, metrics, sources, destinations, clock), ownership, metrics,
                         transport, inline, clock)
