@@ -164,6 +164,7 @@ class Invoker:
         self._schedule = _Schedule(clock)
         self._cache: dict[tuple[str, int], Incoming] = {}  # just stored, not yet applied
         self._outages: dict[tuple[str, int], int] = {}  # transient failures in a row, per message (not attempts)
+        self._alone: set[tuple[str, int]] = set()  # of a batch that failed: applied one per transaction
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._dead_mutex = threading.Lock()
@@ -321,6 +322,8 @@ class Invoker:
             except Exception as exc:  # each message gets its own transaction (and its own failure count)
                 log.info("a batch of %d messages from %s #%d failed (%s); applying them one by one",
                          1 + len(following), identifier, number, exc)
+                with self._mutex:
+                    self._alone.update((identifier, m.number) for m in following)
         try:
             self._apply(handler, [message])
         except _AlreadyApplied:
@@ -343,6 +346,7 @@ class Invoker:
         with self._mutex:
             for number in numbers:
                 self._cache.pop((identifier, number), None)
+                self._alone.discard((identifier, number))
 
     def _batchable(self, head: Incoming, rest: list[Incoming], handler: Callable[..., Any],
                    info: Any, now: float) -> list[Incoming]:
@@ -352,7 +356,8 @@ class Invoker:
             return []
         with self._mutex:
             record = self._buffer(head.identifier).record
-        if not record.in_order:
+            alone = (head.identifier, head.number) in self._alone
+        if alone or not record.in_order:
             return []
         batch: list[Incoming] = []
         expected = head.number + 1

@@ -149,11 +149,6 @@ class Ownership:
             self.metrics.refused.labels(reason="not_owner").inc()
         return About(tuple(acks), requests, sequence, body, tuple(identifier for _, identifier in refused))
 
-    def admits(self, source: Source, identifier: str) -> bool:
-        """``identifier`` is unknown, or one of our inbound sequences that ``source`` owns."""
-        owner = self._inbound(identifier)
-        return owner is None or owner.admits(source)
-
     # ------------------------------------------------------------------ owners
 
     def _named(self, body: Any, key: str | None) -> tuple[str, Owner | None] | None:

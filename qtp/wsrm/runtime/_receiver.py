@@ -168,10 +168,6 @@ class Receiver:
 
     # ------------------------------------------------------------------ who may do what
 
-    def _foreign(self, identifier: str, caller: str | None) -> bool:
-        """``identifier`` is one of our inbound sequences and ``caller`` is not the peer that owns it."""
-        return not self.ownership.admits(Source(caller), identifier)
-
     def _refuse(self, env: Envelope) -> Answer:
         """The answer to a request that named another peer's sequence (logged and counted by ``Ownership``)."""
         return fault(env, SoapFault("Sender", None, "this sequence belongs to another peer"), 403)
@@ -204,8 +200,8 @@ class Receiver:
 
     def _create(self, env: Envelope, body: CreateSequence, now: float, caller: str | None = None) -> Answer:
         message_id = env.addressing.message_id
-        known = self.destinations.created_by(message_id) if message_id else None
-        if known is not None and not self._foreign(known.identifier, caller):  # a retransmitted CreateSequence
+        known = self.destinations.created_by(caller, message_id) if message_id else None
+        if known is not None:  # a retransmitted CreateSequence
             return self._event(env, known.identifier, CreateSequenceReceived(now))
         refusal = self._create_refusal(env, body, caller)
         if refusal is not None:

@@ -230,29 +230,32 @@ class Sources(_Registry[Outbound]):
 
 
 class Destinations(_Registry[Inbound]):
-    """Our RM Destinations by identifier, with the index CreateSequence MessageID -> identifier (a
-    retransmitted CreateSequence gets the sequence it made)."""
+    """Our RM Destinations by identifier, with the index (owner, CreateSequence MessageID) -> identifier (a
+    retransmitted CreateSequence gets the sequence it made; another peer's with the same MessageID does not,
+    nor does it hide it)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._created_by: dict[str, str] = {}
+        self._created_by: dict[tuple[str | None, str], str] = {}
 
     def add(self, seq: Inbound) -> Inbound:
         with self._mutex:
             self._by_id[seq.identifier] = seq
             if seq.info.create_message_id:
-                self._created_by[seq.info.create_message_id] = seq.identifier
+                self._created_by[seq.info.owner, seq.info.create_message_id] = seq.identifier
         return seq
 
     def remove(self, seq: Inbound) -> None:
         with self._mutex:
             if self._by_id.get(seq.identifier) is seq:
                 del self._by_id[seq.identifier]
-            if seq.info.create_message_id and self._created_by.get(seq.info.create_message_id) == seq.identifier:
-                del self._created_by[seq.info.create_message_id]
+            key = (seq.info.owner, seq.info.create_message_id or "")
+            if self._created_by.get(key) == seq.identifier:
+                del self._created_by[key]
 
-    def created_by(self, message_id: str) -> Inbound | None:
-        identifier = self._created_by.get(message_id)
+    def created_by(self, owner: str | None, message_id: str) -> Inbound | None:
+        """The sequence peer ``owner`` (None: anonymous) created with CreateSequence ``message_id``."""
+        identifier = self._created_by.get((owner, message_id))
         return None if identifier is None else self._by_id.get(identifier)
 
     def info(self, identifier: str) -> DestinationInfo | None:
