@@ -38,6 +38,7 @@ from qtp.wsrm.codec import (
     anonymous,
     default_action,
     mc_id,
+    reply_destination,
 )
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION
 from qtp.wsrm.protocol import (
@@ -629,8 +630,8 @@ class Receiver:
 
     def _reply_addressing(self, env: Envelope, act: str) -> Addressing:
         wsa = env.wsa or WsaVersion.WSA200508
-        return Addressing(action=act, to=anonymous(wsa), message_id=f"urn:uuid:{uuid.uuid4()}",
-                          relates_to=env.addressing.message_id)
+        return Addressing(action=act, to=reply_destination(env.addressing.reply_to, wsa),
+                          message_id=f"urn:uuid:{uuid.uuid4()}", relates_to=env.addressing.message_id)
 
     def fault(self, env: Envelope, fault: SequenceFault | SoapFault, status: int | None = None) -> Answer:
         reply = Envelope(soap=env.soap, rm=env.rm, wsa=env.wsa or WsaVersion.WSA200508, body=fault,

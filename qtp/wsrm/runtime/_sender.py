@@ -64,7 +64,6 @@ from qtp.wsrm.codec import (
     SoapVersion,
     WsaVersion,
     anonymous,
-    decode,
     default_action,
     encode_batch,
     mc_id,
@@ -109,6 +108,7 @@ from qtp.wsrm.protocol import (
     Transmit,
 )
 from qtp.wsrm.protocol import _ranges as ranges
+from qtp.wsrm.runtime._answers import read_answer
 from qtp.wsrm.runtime._ownership import Source
 from qtp.wsrm.runtime._settings import channel_name
 from qtp.wsrm.runtime._transport import TransportError, wire
@@ -661,7 +661,7 @@ class Sender:
         if not reply.body.strip():
             return reply.status < 300
         try:
-            answer = decode(reply.body)
+            answer = read_answer(reply.body, info.peer, self.node.metrics)
         except InvalidMessage as exc:
             log.warning("unreadable answer (HTTP %d) from %s: %s", reply.status, info.peer, exc)
             return False

@@ -1,0 +1,119 @@
+"""The poller of a node without an endpoint reports a peer that never answers a poll with a message.
+
+A peer without WS-MakeConnection (gSOAP) answers MakeConnection with a bare HTTP 202, as a WS-MC peer with
+nothing to give does. The poller reports a peer that has done so for ``SUSPECT_POLLS`` polls in a row and
+``SUSPECT_SECONDS`` without ever returning a message: one warning (again at most every ``REPORT_INTERVAL``),
+and ``polled-peers.json`` in the node's log folder, which ``qtp status`` shows. Fake transport and clock,
+no sockets, no sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+from qtp.config import load_config
+from qtp.wsrm.codec import SoapVersion, WsaVersion
+from qtp.wsrm.runtime._mailbox import REPORT_INTERVAL, SUSPECT_POLLS, SUSPECT_SECONDS, Poller
+from qtp.wsrm.runtime._status import messaging_status, messaging_warnings, render_messaging
+
+PEER = "http://gsoap.example:8080/"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Counter:
+    def labels(self, **labels: str) -> "Counter":
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+
+def _poller(folder: Path, clock: Clock, status: int = 202) -> Poller:
+    channel = SimpleNamespace(peer=PEER, reply=True, acks_to="anonymous", wsa=WsaVersion.WSA200508,
+                              soap=SoapVersion.SOAP11)
+    transport = SimpleNamespace(post=lambda peer, data, soap, action: SimpleNamespace(status=status, body=b""))
+    node = SimpleNamespace(channels={"gsoap": channel}, transport=transport,
+                           metrics=SimpleNamespace(polls=Counter(), ignored_headers=Counter()),
+                           manager=SimpleNamespace(log_dir=folder), limits=SimpleNamespace(poll_interval_max=1.0))
+    return Poller(node, "http://docs.oasis-open.org/ws-rx/wsmc/200702/anonymous?id=urn:qtp:node:n1", clock)
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "qtp.wsrm.mailbox" and r.levelno == logging.WARNING]
+
+
+def test_a_peer_answering_every_poll_with_a_bare_202_is_reported_once_then_rate_limited(tmp_path, caplog):
+    clock = Clock()
+    poller = _poller(tmp_path, clock)
+    step = SUSPECT_SECONDS / (SUSPECT_POLLS - 1)
+    with caplog.at_level(logging.WARNING, logger="qtp.wsrm.mailbox"):
+        for _ in range(SUSPECT_POLLS - 1):
+            assert poller.poll(PEER) == (False, False)
+            clock.now += step
+        assert _warnings(caplog) == [] and not (tmp_path / "polled-peers.json").exists()
+        poller.poll(PEER)  # the 5th bare 202, 60 s after the first
+        assert len(_warnings(caplog)) == 1 and "may not support WS-MakeConnection" in _warnings(caplog)[0]
+        for _ in range(50):  # polled every second meanwhile: no new line
+            clock.now += 1
+            poller.poll(PEER)
+        assert len(_warnings(caplog)) == 1
+        clock.now += REPORT_INTERVAL
+        poller.poll(PEER)
+        assert len(_warnings(caplog)) == 2
+    [seen] = poller.peers_seen.snapshot()
+    assert (seen.suspect, seen.messages, seen.last_status) == (True, 0, 202)
+    assert seen.empty_in_a_row == SUSPECT_POLLS + 51
+
+
+def test_bare_202s_from_a_peer_that_once_returned_a_message_or_for_a_short_while_are_not_reported(tmp_path, caplog):
+    clock = Clock()
+    quick = _poller(tmp_path / "quick", clock)
+    with caplog.at_level(logging.WARNING, logger="qtp.wsrm.mailbox"):
+        for _ in range(SUSPECT_POLLS * 10):  # many polls, all within less than SUSPECT_SECONDS
+            clock.now += (SUSPECT_SECONDS - 1) / (SUSPECT_POLLS * 10)
+            quick.poll(PEER)
+        speaks = _poller(tmp_path / "speaks", clock)
+        speaks.peers_seen.message(PEER)
+        for _ in range(SUSPECT_POLLS * 10):
+            clock.now += SUSPECT_SECONDS
+            speaks.poll(PEER)
+    assert _warnings(caplog) == []
+    assert not [p for p in quick.peers_seen.snapshot() + speaks.peers_seen.snapshot() if p.suspect]
+
+
+def test_qtp_status_shows_the_reported_peer_and_warns(tmp_path):
+    config = tmp_path / "qtp.toml"
+    config.write_text(f'''
+[node]
+id = "poller-1"
+log_dir = "{tmp_path / 'logs'}"
+mode = "memory"
+
+[channels.gsoap]
+peer = "{PEER}"
+mode = "memory"
+reply = true
+''')
+    clock = Clock()
+    poller = _poller(tmp_path / "logs" / "poller-1", clock)
+    status = messaging_status(load_config(config))
+    assert status["polled_peers"] == [] and messaging_warnings(status) == []
+    for _ in range(SUSPECT_POLLS):
+        poller.poll(PEER)
+        clock.now += SUSPECT_SECONDS
+    status = messaging_status(load_config(config))
+    [peer] = status["polled_peers"]
+    assert (peer["peer"], peer["suspect"], peer["messages"]) == (PEER, True, 0)
+    [warning] = messaging_warnings(status)
+    assert PEER in warning and "WS-MakeConnection" in warning
+    rendered = render_messaging(status)
+    assert "peers this node polls (WS-MakeConnection): 1" in rendered and PEER in rendered
