@@ -10,13 +10,21 @@ no sockets, no sleeps.
 from __future__ import annotations
 
 import logging
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
+from interop.gsoap_peer import GsoapServer
+
+import qtp
 from qtp.config import load_config
+from qtp.embedded import free_port
+from qtp.testing.nodes import wait_until
 from qtp.wsrm.codec import SoapVersion, WsaVersion
+from qtp.wsrm.runtime import Limits, Node, NodeSettings, _mailbox
 from qtp.wsrm.runtime._mailbox import REPORT_INTERVAL, SUSPECT_POLLS, SUSPECT_SECONDS, Poller
-from qtp.wsrm.runtime._status import messaging_status, messaging_warnings, render_messaging
+from qtp.wsrm.runtime._settings import ChannelSettings
+from qtp.wsrm.runtime._status import messaging_status, messaging_warnings, polled_peers, render_messaging
 
 PEER = "http://gsoap.example:8080/"
 
@@ -117,3 +125,19 @@ reply = true
     assert PEER in warning and "WS-MakeConnection" in warning
     rendered = render_messaging(status)
     assert "peers this node polls (WS-MakeConnection): 1" in rendered and PEER in rendered
+
+
+def test_a_node_without_endpoint_reports_the_real_gsoap_peer_that_has_no_wsmc(tmp_path, monkeypatch, caplog):
+    """The real gSOAP server (tests/interop) answers MakeConnection with a bare 202. Thresholds shortened."""
+    monkeypatch.setattr(_mailbox, "SUSPECT_SECONDS", 1.0)
+    with GsoapServer(free_port(), "1.1") as server, caplog.at_level(logging.WARNING, logger="qtp.wsrm.mailbox"):
+        tm = qtp.TransactionManager(f"p-{uuid.uuid4().hex[:6]}", tmp_path / "logs", recovery_interval=None)
+        channel = ChannelSettings("gsoap", peer=server.url, mode="memory", reply=True, soap=SoapVersion.SOAP11)
+        node = Node(tm, NodeSettings(mode="memory", channels={"gsoap": channel},
+                                     limits=Limits(poll_interval_max=0.2))).start()
+        try:
+            wait_until(lambda: any(p["suspect"] for p in polled_peers(tm.log_dir, 0)), 30, "gSOAP reported")
+        finally:
+            node.close()
+            tm.close()
+    assert any(server.url in w and "may not support WS-MakeConnection" in w for w in _warnings(caplog))
