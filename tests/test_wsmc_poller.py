@@ -98,6 +98,18 @@ def test_bare_202s_from_a_peer_that_once_returned_a_message_or_for_a_short_while
     assert not [p for p in quick.peers_seen.snapshot() + speaks.peers_seen.snapshot() if p.suspect]
 
 
+def test_the_report_clears_at_the_first_message_a_poll_returns(tmp_path):
+    clock = Clock()
+    poller = _poller(tmp_path, clock)
+    for _ in range(SUSPECT_POLLS):
+        poller.poll(PEER)
+        clock.now += SUSPECT_SECONDS
+    assert [p["suspect"] for p in polled_peers(tmp_path, clock.now)] == [True]
+    poller.peers_seen.message(PEER)
+    assert [(p["suspect"], p["messages"], p["empty_in_a_row"]) for p in polled_peers(tmp_path, clock.now)] == \
+        [(False, 1, 0)]
+
+
 def test_qtp_status_shows_the_reported_peer_and_warns(tmp_path):
     config = tmp_path / "qtp.toml"
     config.write_text(f'''

@@ -365,7 +365,7 @@ class PolledPeers:
             seen.messages += 1
             seen.empty_in_a_row, seen.empty_since, seen.suspect = 0, None, False
         if cleared:
-            log.warning("%s answered a poll with a message: it does support WS-MakeConnection", peer)
+            log.info("%s answered a poll with a message: it does support WS-MakeConnection", peer)
             self._save()
 
     def snapshot(self) -> list[PeerPolls]:
