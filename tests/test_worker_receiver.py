@@ -171,7 +171,7 @@ def build(limits: Limits | None = None, store: StoreWithFaults | None = None) ->
     handlers.requests[ACTION] = lambda tx, message: None
     invoker, outbound, transport = RecordingInvoker(), SenderEvents(), FakeTransport(lambda url, envelopes: NOTHING)
     receiver = Receiver(limits, security, "127.0.0.1", ENDPOINT, store, destinations, offers, outbound, invoker,
-                        handlers, Mailbox(limits, metrics, sources, destinations, clock), ownership, metrics,
+                        handlers, Mailbox(limits, metrics, sources, destinations, None, clock), ownership, metrics,
                         transport, inline, clock)
     return Rig(receiver, store, invoker, outbound, sources, clock, transport, wake)
 

@@ -34,6 +34,7 @@ from qtp.wsrm.codec._names import (
     anonymous,
     mc_anonymous,
     mc_id,
+    reply_destination,
 )
 from qtp.wsrm.codec._schemas import SCHEMA_FILES, WSMC_SCHEMA_FILE, Validator
 
@@ -44,5 +45,5 @@ __all__ = [
     "Addressing", "CheckedPayload", "EncodingError", "Envelope", "InvalidMessage", "MakeConnection", "SoapFault",
     "SoapVersion", "Validator", "WsaVersion",
     "action", "anonymous", "check_payload", "decode", "decode_batch", "default_action", "encode", "encode_batch",
-    "format_duration", "mc_anonymous", "mc_id", "most_elements", "parse_duration",
+    "format_duration", "mc_anonymous", "mc_id", "most_elements", "parse_duration", "reply_destination",
 ]

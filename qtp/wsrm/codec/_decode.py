@@ -10,6 +10,12 @@ Tolerant: blanks around numbers and identifiers, unknown extension elements and 
 ``xs:any ##other``), comments, unmerged or unsorted acknowledgement ranges, and either WS-Addressing
 version are all accepted. Unknown headers are ignored unless they carry mustUnderstand.
 
+Answers (``decode(data, answer=True)``, what a peer returns on the HTTP response to our POST or poll) are
+read like requests, with one exception: a Sequence header that breaks the schema (a MessageNumber of 0, as
+gSOAP writes on an empty-body answer, docs/interop.md D17) on an envelope whose Body is empty is left out
+and named in ``Envelope.ignored``, so that the acknowledgements next to it still count. A request with such
+a header, or an answer that carries a message or a protocol body, is refused as before.
+
 WS-MakeConnection 1.1 (MakeConnection, MessagePending, its two faults) belongs to the WS-RM 1.1 family: a
 message using it is read as WS-RM 1.1 even when it holds no WS-RM element, and refused with WS-RM 1.0 or
 WS-Addressing 2004/08, as the encoder refuses to write it.
@@ -193,10 +199,12 @@ class _Reader:
     """One decode call: the versions the message used, and the headers read so far."""
 
     __slots__ = ("soap", "rm", "tags", "wsa", "fault_code", "addressing", "sequence", "acks", "ack_requests", "wsmc",
-                 "message_pending")
+                 "message_pending", "answer", "bad_sequence")
 
-    def __init__(self, soap: SoapVersion):
+    def __init__(self, soap: SoapVersion, answer: bool = False):
         self.soap = soap
+        self.answer = answer  # an answer to our request: a broken Sequence header may be set aside
+        self.bad_sequence: InvalidMessage | None = None
         self.rm: RMVersion | None = None
         self.tags: dict[str, str] = {}
         self.wsa: WsaVersion | None = None
@@ -298,8 +306,11 @@ class _Reader:
 
 
 def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = DEFAULT_MAX_DEPTH,
-           max_elements: int = DEFAULT_MAX_ELEMENTS) -> Envelope:
-    """Parse one SOAP envelope. Raises InvalidMessage (a WsrmFault with the wire code) for bad input."""
+           max_elements: int = DEFAULT_MAX_ELEMENTS, answer: bool = False) -> Envelope:
+    """Parse one SOAP envelope. Raises InvalidMessage (a WsrmFault with the wire code) for bad input.
+
+    ``answer``: the envelope came back on the HTTP response to our request (or poll); an invalid Sequence
+    header on one with an empty Body is then set aside (``Envelope.ignored``) instead of refusing it all."""
     if not isinstance(data, (bytes, bytearray)):
         raise TypeError(f"decode takes bytes, not {type(data).__name__}")
     if len(data) > max_bytes:
@@ -324,7 +335,7 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = 
         code = "VersionMismatch" if _split(root.tag)[1] == "Envelope" else SENDER
         raise _bad(f"the document is not a SOAP 1.1 or 1.2 Envelope: {root.tag[:80]}", code)
     try:
-        return _envelope(_Reader(soap), root)
+        return _envelope(_Reader(soap, answer), root)
     except ValueError as exc:  # a value the message classes refuse (an Expires of a million years, ...)
         raise _bad(f"invalid value: {exc}") from exc
 
@@ -402,6 +413,11 @@ def _envelope(reader: _Reader, root: Any) -> Envelope:
     if header is not None:
         _header(reader, header)
     content, payload = _body(reader, body)
+    ignored: tuple[str, ...] = ()
+    if reader.bad_sequence is not None:
+        if content is not None or payload is not None:  # a message or a protocol body needs a sound header
+            raise reader.bad_sequence
+        ignored = (f"Sequence: {reader.bad_sequence}",)
     for key in ("message_id", "relates_to"):
         value = reader.addressing.get(key)
         if value is not None and len(value) > MAX_IDENTIFIER:
@@ -411,7 +427,8 @@ def _envelope(reader: _Reader, root: Any) -> Envelope:
     if reader.wsmc and reader.wsa is WsaVersion.WSA200408:
         raise _bad("WS-MakeConnection 1.1 goes with WS-Addressing 2005/08, not 2004/08")
     return Envelope(reader.soap, reader.rm, reader.wsa, Addressing(**reader.addressing), reader.sequence,
-                    tuple(reader.acks), tuple(reader.ack_requests), content, payload, reader.message_pending)
+                    tuple(reader.acks), tuple(reader.ack_requests), content, payload, reader.message_pending,
+                    ignored)
 
 
 def _header(reader: _Reader, header: Any) -> None:
@@ -451,8 +468,20 @@ def _message_pending(reader: _Reader, block: Any) -> None:
 
 
 def _sequence(reader: _Reader, block: Any) -> None:
-    if reader.sequence is not None:
+    if reader.sequence is not None or reader.bad_sequence is not None:
         raise _bad("more than one Sequence header")
+    if not reader.answer:
+        _read_sequence(reader, block)
+        return
+    try:
+        _read_sequence(reader, block)
+    except InvalidMessage as exc:  # decided once the Body is known (see _envelope)
+        reader.bad_sequence = exc
+    except ValueError as exc:
+        reader.bad_sequence = _bad(f"invalid value: {exc}")
+
+
+def _read_sequence(reader: _Reader, block: Any) -> None:
     tags = reader.tags
     children: dict[Any, Any] = {}
     for child in block:

@@ -81,3 +81,4 @@ class Envelope:
     body: RMBody | SequenceFault | SoapFault | MakeConnection | None = None
     payload: bytes | None = None
     message_pending: bool | None = None  # WS-MC MessagePending header on a message returned to a poll
+    ignored: tuple[str, ...] = ()  # headers of an answer the decoder set aside, and why (decode(answer=True))

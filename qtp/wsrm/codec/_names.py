@@ -86,3 +86,10 @@ def mc_id(address: str | None) -> str | None:
     if address is None or not address.startswith(WSMC_ANONYMOUS) or len(address) == len(WSMC_ANONYMOUS):
         return None
     return address[len(WSMC_ANONYMOUS):]
+
+
+def reply_destination(reply_to: str | None, wsa: WsaVersion) -> str:
+    """The To of an answer on the HTTP response to a request whose ReplyTo is ``reply_to``: a WS-MC anonymous
+    URI stays (WS-Addressing 1.0 Core 3.4: the reply's [destination] is the [reply endpoint]'s address, and
+    it tells a client that polls which of its endpoints the answer is for); anything else is anonymous."""
+    return reply_to if mc_id(reply_to) is not None else anonymous(wsa)  # type: ignore[return-value]

@@ -21,14 +21,30 @@ we polled: what it says of another peer's sequences is refused like a request th
 so a peer cannot answer a poll with messages or acknowledgements "from" another. The acknowledgement it
 produces rides on the next poll, sent at once, and any other answer (a TerminateSequenceResponse, a fault)
 is POSTed to the peer.
+
+What a poll is given carries ``ReplyTo`` = this node's endpoint (a message given on a poll's response has no
+back channel to be answered on: a client answers a Close, Terminate, CreateSequence or AckRequested of ours
+with a POST to the endpoint), and the answers to a request whose ReplyTo is a WS-MC anonymous URI carry it as
+their ``To`` (``reply_destination``).
+
+A peer without WS-MC answers a MakeConnection with a bare HTTP 202 (gSOAP does), exactly as a peer that holds
+nothing for us. The poller cannot tell them apart from one answer; it reports a peer that has answered
+``SUSPECT_POLLS`` polls in a row and for ``SUSPECT_SECONDS`` with a bare 202 without ever returning a message
+to a poll: a warning in the log (then at most every ``REPORT_INTERVAL``), and ``polled-peers.json`` in the
+node's log folder, which ``qtp status`` shows (``_status.polled_peers``). Such a peer is polled, backing off
+to ``poll_interval_max``, for as long as the node runs.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
+import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import quote
 
@@ -43,19 +59,23 @@ from qtp.wsrm.codec import (
     MakeConnection,
     SoapFault,
     anonymous,
-    decode,
     mc_anonymous,
     mc_id,
 )
 from qtp.wsrm.protocol import CreateSequence, RMVersion, SequenceAcknowledgement
-from qtp.wsrm.runtime._answers import NOTHING, Answer, fault
+from qtp.wsrm.runtime._answers import NOTHING, Answer, fault, read_answer
 from qtp.wsrm.runtime._ownership import Source
 from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock
 from qtp.wsrm.runtime._security import Security
 from qtp.wsrm.runtime._sequences import Destinations, Sources
+from qtp.wsrm.runtime._status import POLLED_PEERS_FILE
 from qtp.wsrm.runtime._transport import Transport, wire
 
 log = logging.getLogger("qtp.wsrm.mailbox")
+
+SUSPECT_POLLS = 5          # bare 202 answers in a row, and
+SUSPECT_SECONDS = 60.0     # for this long, from a peer that never returned a message to a poll: reported
+REPORT_INTERVAL = 600.0    # the warning again, at most this often, while it lasts
 
 
 def node_address(node_id: str) -> str:
@@ -77,8 +97,9 @@ class Mailbox:
     is locked or read."""
 
     def __init__(self, limits: Any, metrics: Any, sources: Sources, destinations: Destinations,
-                 clock: Clock = SYSTEM_CLOCK):
+                 endpoint: str | None, clock: Clock = SYSTEM_CLOCK):
         self.limits = limits
+        self.endpoint = endpoint
         self.metrics = metrics
         self.sources = sources
         self.destinations = destinations
@@ -143,7 +164,14 @@ class Mailbox:
             metrics.polls.labels(result="empty").inc()
             return NOTHING
         metrics.polls.labels(result="message").inc()
-        return Answer(replace(envelope, message_pending=more), 200)
+        return Answer(replace(envelope, message_pending=more, addressing=self._answerable(envelope.addressing)), 200)
+
+    def _answerable(self, addressing: Addressing) -> Addressing:
+        """``addressing`` with ReplyTo = this node's endpoint: a message given on a poll's response can be
+        answered only by a POST there (whatever it said when it was held: anonymous, for the back channel)."""
+        if self.endpoint is None or addressing.reply_to == self.endpoint:
+            return addressing
+        return replace(addressing, reply_to=self.endpoint)
 
     def take(self, owner: str | None, client: str | None, identifier: str | None = None) -> tuple[Envelope | None, bool]:
         """The next envelope for ``client`` (or, with ``client`` None, for any of ``owner``'s clients), only
@@ -211,7 +239,8 @@ class Poller:
     """The MakeConnection loop of a node without an endpoint, one thread per peer of its reply channels."""
 
     def __init__(self, address: str, channels: Mapping[str, Any], limits: Any, transport: Transport, metrics: Any,
-                 security: Security, handle: Callable[[Envelope, Source], Answer]):
+                 security: Security, handle: Callable[[Envelope, Source], Answer], log_dir: Path,
+                 clock: Callable[[], float] = time.time):
         self.address = address
         self.channels = channels
         self.limits = limits
@@ -219,6 +248,7 @@ class Poller:
         self.metrics = metrics
         self.security = security
         self._handle = handle
+        self.peers_seen = PolledPeers(Path(log_dir) / POLLED_PEERS_FILE, limits.poll_interval_max, clock)
         self._acks: dict[str, dict[str, SequenceAcknowledgement]] = {}
         self._mutex = threading.Lock()
 
@@ -256,9 +286,10 @@ class Poller:
             return False, False
         self.metrics.polls.labels(result="sent").inc()
         if not reply.body.strip():
+            self.peers_seen.empty(peer, reply.status)
             return False, False
         try:
-            message = decode(reply.body)
+            message = read_answer(reply.body, peer, self.metrics)
         except InvalidMessage as exc:
             log.warning("unreadable answer to a poll (HTTP %d) from %s: %s", reply.status, peer, exc)
             return False, False
@@ -268,6 +299,7 @@ class Poller:
         if isinstance(message.body, CreateSequence):  # a peer we poll cannot open sequences here
             log.warning("%s answered a poll with a CreateSequence; ignored", peer)
             return False, False
+        self.peers_seen.message(peer)
         answer = self._handle(message, Source.answer(self.security, peer))
         back = answer.envelope
         if back is not None and back.body is None and back.sequence is None and not back.ack_requests:
@@ -288,6 +320,86 @@ class Poller:
             kept = self._acks.setdefault(peer, {})
             for ack in acks:
                 kept[ack.identifier] = ack  # acknowledgements only grow: the newest covers the older
+
+
+@dataclass
+class PeerPolls:
+    """What one polled peer answered since the node started (times: seconds since the epoch)."""
+
+    peer: str
+    messages: int = 0                 # polls it answered with a message
+    empty_in_a_row: int = 0           # polls answered with an empty body (202) since the last message
+    empty_since: float | None = None  # when that run of empty answers began
+    last_status: int | None = None
+    suspect: bool = False             # reported: maybe no WS-MakeConnection (see the module docstring)
+    reported_at: float | None = field(default=None, repr=False)
+
+
+class PolledPeers:
+    """The poller's view of each peer it polls; reports the ones that look like they lack WS-MC."""
+
+    def __init__(self, path: Path, interval: float, clock: Callable[[], float] = time.time):
+        self.path = path
+        self.interval = interval  # how often an idle peer is polled ([limits] poll_interval_max)
+        self._clock = clock
+        self._mutex = threading.Lock()
+        self._peers: dict[str, PeerPolls] = {}
+        try:
+            path.unlink(missing_ok=True)  # what an earlier run of the node reported: polled afresh now
+        except OSError as exc:
+            log.warning("could not remove %s: %s", path, exc)
+
+    def empty(self, peer: str, status: int) -> None:
+        """``peer`` answered a poll with ``status`` and an empty body."""
+        now = self._clock()
+        with self._mutex:
+            seen = self._peers.setdefault(peer, PeerPolls(peer))
+            seen.empty_in_a_row += 1
+            seen.last_status = status
+            if seen.empty_since is None:
+                seen.empty_since = now
+            due = (seen.messages == 0 and seen.empty_in_a_row >= SUSPECT_POLLS
+                   and now - seen.empty_since >= SUSPECT_SECONDS
+                   and (seen.reported_at is None or now - seen.reported_at >= REPORT_INTERVAL))
+            if due:
+                seen.suspect, seen.reported_at = True, now
+                polls, seconds = seen.empty_in_a_row, now - seen.empty_since
+        if due:
+            log.warning("%s answered %d polls in a row over %.0f s with an empty HTTP %d and never a message: it "
+                        "may not support WS-MakeConnection (gSOAP does not), and then the replies and "
+                        "acknowledgements this node fetches from it never come; it is polled every %.0f s for as "
+                        "long as the node runs (docs/interop.md, WS-MakeConnection)", peer, polls, seconds, status,
+                        self.interval)
+            self._save()
+
+    def message(self, peer: str) -> None:
+        """``peer`` answered a poll with a message: it speaks WS-MC."""
+        with self._mutex:
+            seen = self._peers.setdefault(peer, PeerPolls(peer))
+            cleared = seen.suspect
+            seen.messages += 1
+            seen.empty_in_a_row, seen.empty_since, seen.suspect = 0, None, False
+        if cleared:
+            log.info("%s answered a poll with a message: it does support WS-MakeConnection", peer)
+            self._save()
+
+    def snapshot(self) -> list[PeerPolls]:
+        with self._mutex:
+            return [replace(p) for p in sorted(self._peers.values(), key=lambda p: p.peer)]
+
+    def _save(self) -> None:
+        """Write the peers to ``path`` (atomically) for ``qtp status``; a failure is logged, not raised."""
+        now = self._clock()
+        peers = [{k: v for k, v in asdict(p).items() if k not in ("reported_at", "empty_since")}
+                 | {"empty_for_s": None if p.empty_since is None else round(now - p.empty_since, 3)}
+                 for p in self.snapshot()]
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = self.path.with_name(self.path.name + ".tmp")
+            temporary.write_text(json.dumps({"updated_at": now, "peers": peers}, indent=1))
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            log.warning("could not write %s: %s", self.path, exc)
 
 
 def _about(envelope: Envelope) -> str | None:

@@ -111,6 +111,10 @@ class Metrics:
                         "with a message, empty or fault (by a serving node)", labelnames=["node", "result"],
                         registry=self.registry)
         self.polls = _Bound(polls, node_id)
+        self.ignored_headers = Counter("qtp_answer_headers_ignored", "Headers of answers set aside because they "
+                                       "break the schema (a Sequence with MessageNumber 0 on an empty-body answer, "
+                                       "as gSOAP writes), the acknowledgements next to them taken",
+                                       labelnames=["node"], registry=self.registry).labels(**labels)
         if channel_stats is not None:
             self.registry.register(_Channels(node_id, channel_stats))
 

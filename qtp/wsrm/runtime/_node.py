@@ -123,7 +123,7 @@ class Node:
         self.offers = Offers(self.inbound_store, self.sources, self.destinations, limits, security.peer_for_url,
                              self.wake, clock)
         self.ownership = Ownership(self.destinations, self.sources, self.channels, security, self.metrics)
-        self.mailbox = Mailbox(limits, self.metrics, self.sources, self.destinations, clock)
+        self.mailbox = Mailbox(limits, self.metrics, self.sources, self.destinations, self.endpoint, clock)
         self.metrics.watch_polling_clients(self.mailbox.waiting)
         self.sender = Sender(limits, self.channels, self.stores, self.sources, self.offers, self.transport,
                              self.mailbox, self.ownership, self.metrics, security, self.endpoint, self.mc_address,
@@ -305,7 +305,7 @@ class Node:
             self._serve_http()
         else:
             poller = Poller(self.mc_address or "", self.channels, self.limits, self.transport, self.metrics,
-                            self.settings.security, self.receiver.handle)
+                            self.settings.security, self.receiver.handle, self.manager.log_dir)
             for peer in poller.peers():
                 self._spawn(lambda peer=peer: poller.run(peer, self._stopping), "qtp-poll")
         self.started = True

@@ -20,8 +20,10 @@ from typing import Any, Callable
 class RefusalWarnings:
     """Rate-limited refusal warnings, per reason (see the module docstring)."""
 
-    def __init__(self, interval: float = 60.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, interval: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 summary: str = "refused %s more %s request(s) in the last %.0f s"):
         self.interval = interval
+        self.summary = summary  # the line for the ones not logged: % (count, reason, seconds)
         self._clock = clock
         self._mutex = threading.Lock()
         self._windows: dict[str, tuple[float, int]] = {}  # reason -> (window start, refusals not logged since)
@@ -36,7 +38,7 @@ class RefusalWarnings:
                 return
             self._windows[reason] = (now, 0)
         if quiet:
-            log.warning("refused %s more %s request(s) in the last %.0f s", f"{quiet:,}", reason, now - started)
+            log.warning(self.summary, f"{quiet:,}", reason, now - started)
         log.warning(message, *args)
 
 

@@ -63,7 +63,6 @@ from qtp.wsrm.codec import (
     SoapVersion,
     WsaVersion,
     anonymous,
-    decode,
     default_action,
     encode_batch,
     mc_id,
@@ -108,6 +107,7 @@ from qtp.wsrm.protocol import (
     Transmit,
 )
 from qtp.wsrm.protocol import _ranges as ranges
+from qtp.wsrm.runtime._answers import read_answer
 from qtp.wsrm.runtime._ids import create_message_id
 from qtp.wsrm.runtime._mailbox import Mailbox
 from qtp.wsrm.runtime._offers import Offers
@@ -597,7 +597,7 @@ class Sender:
         if not reply.body.strip():
             return reply.status < 300
         try:
-            answer = decode(reply.body)
+            answer = read_answer(reply.body, info.peer, self.metrics)
         except InvalidMessage as exc:
             log.warning("unreadable answer (HTTP %d) from %s: %s", reply.status, info.peer, exc)
             return False

@@ -1,9 +1,13 @@
 """What ``qtp status`` shows of a node's messaging, read from its stores: sequences in both directions,
-invoker backlog, dead letters. Opened on their own, so it works while the node runs and while it is down."""
+invoker backlog, dead letters. Opened on their own, so it works while the node runs and while it is down.
+For a node without an endpoint, also the polled peers it reported as maybe lacking WS-MakeConnection, from
+``polled-peers.json`` in its log folder (written by its poller, ``_mailbox.PolledPeers``)."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy
@@ -14,6 +18,8 @@ from qtp.wsrm.codec import mc_id
 from qtp.wsrm.runtime._settings import node_settings
 from qtp.wsrm.store import SqlStore, Store
 from qtp.xa._sql import normalize_url
+
+POLLED_PEERS_FILE = "polled-peers.json"  # in the node's log folder (<log_dir>/<node id>/), by _mailbox.PolledPeers
 
 
 def stores(config: Config) -> list[tuple[str, Store, sqlalchemy.Engine]]:
@@ -38,7 +44,8 @@ def stores(config: Config) -> list[tuple[str, Store, sqlalchemy.Engine]]:
 def messaging_status(config: Config) -> dict[str, Any]:
     """Sequences (both directions), invoker backlog and dead letters, read from the node's stores."""
     if not config.messaging["channels"] and not config.messaging["node"].get("endpoint"):
-        return {"sequences": [], "dead_letters": 0, "dead_letters_per_peer": {}, "invoker_backlog": 0}
+        return {"sequences": [], "dead_letters": 0, "dead_letters_per_peer": {}, "invoker_backlog": 0,
+                "polled_peers": []}
     now = time.time()
     sequences, dead, backlog = [], 0, 0
     per_peer: dict[str, int] = {}  # peer name ("-": anonymous sequences) -> dead letters
@@ -77,7 +84,19 @@ def messaging_status(config: Config) -> dict[str, Any]:
     limits = node_settings(config.messaging, set(config.resources)).limits
     return {"sequences": sequences, "dead_letters": dead, "dead_letters_per_peer": dict(sorted(per_peer.items())),
             "invoker_backlog": backlog,
-            "max_dead_letters": limits.max_dead_letters, "polling_clients": polling_clients(sequences)}
+            "max_dead_letters": limits.max_dead_letters, "polling_clients": polling_clients(sequences),
+            "polled_peers": polled_peers(config.log_dir / config.node_id, now)}
+
+
+def polled_peers(folder: Path, now: float) -> list[dict[str, Any]]:
+    """The peers a node without an endpoint polls, as its poller last wrote them (only once one looked like
+    it lacks WS-MakeConnection); ``written_age_s``: how long ago that was written."""
+    try:
+        written = json.loads((folder / POLLED_PEERS_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    age = round(max(0.0, now - float(written.get("updated_at", now))), 3)
+    return [dict(p, written_age_s=age) for p in written.get("peers", []) if isinstance(p, dict) and "peer" in p]
 
 
 def polling_clients(sequences: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -98,6 +117,14 @@ def polling_clients(sequences: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def messaging_warnings(status: dict[str, Any]) -> list[str]:
     """What an operator must act on: dead letters (each waits for a decision), and the peers at their cap."""
+    warnings = [f"polled peer {p['peer']} answered {p['empty_in_a_row']} polls in a row with an empty HTTP "
+                f"{p['last_status']} and never a message: it may not support WS-MakeConnection, so what this node "
+                "fetches from it (replies, acknowledgements) never comes (docs/interop.md, WS-MakeConnection)"
+                for p in status.get("polled_peers") or [] if p.get("suspect")]
+    return warnings + _dead_letter_warnings(status)
+
+
+def _dead_letter_warnings(status: dict[str, Any]) -> list[str]:
     dead, cap = status["dead_letters"], status.get("max_dead_letters")
     if not dead:
         return []
@@ -131,4 +158,12 @@ def render_messaging(status: dict[str, Any]) -> str:
                        [[c["client"], c["sequences"], c["waiting"], age(c["oldest_waiting_age_s"], unknown="-")]
                         for c in clients])
         lines += ["    " + line for line in polled.splitlines()]
+    peers = status.get("polled_peers") or []
+    if peers:
+        lines.append(f"  peers this node polls (WS-MakeConnection): {len(peers)}")
+        seen = table(["peer", "messages", "empty in a row", "empty for", "last status", "no WS-MC?", "written"],
+                     [[p["peer"], p["messages"], p["empty_in_a_row"], age(p.get("empty_for_s"), unknown="-"),
+                       p.get("last_status") or "-", "yes" if p.get("suspect") else "no",
+                       age(p.get("written_age_s"), unknown="-") + " ago"] for p in peers])
+        lines += ["    " + line for line in seen.splitlines()]
     return "\n".join(lines)
