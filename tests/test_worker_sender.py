@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import pytest
 
 from fakes_runtime import FakeClock, FakePeer, FakeTransport, OneStore, RecordingStore, inline
-from qtp.wsrm.codec import Envelope
+from qtp.wsrm.codec import Envelope, MakeConnection, SoapVersion, WsaVersion, mc_anonymous
 from qtp.wsrm.protocol import (
     CloseSequence,
     CreateSequence,
     RMVersion,
+    Sequence,
     SequenceAcknowledgement,
     SourceState,
     TerminateSequence,
@@ -330,6 +331,37 @@ def test_an_offered_sequence_whose_peer_stays_silent_expires_and_its_replies_sta
     rig.tick(FILL_INTERVAL_S + 1)
     rig.tick(limits.retransmit_interval_max)
     assert len(rig.transport.requests) == posted  # nothing sends them any more
+
+
+def test_replies_for_a_peer_that_polls_are_held_and_its_polls_keep_the_offered_sequence_alive():
+    limits = Limits(offer_inactivity_timeout=60.0)
+    rig = build(limits=limits)
+    client = f"urn:uuid:{uuid.uuid4()}"
+    offered = f"urn:uuid:{uuid.uuid4()}"
+    seq = accept_offer(rig, offered, peer=mc_anonymous(client))
+    rig.enqueue(1, route=offer_route(offered))
+    rig.tick()
+    assert rig.transport.requests == []  # nowhere to POST: held for the peer's poll
+    mailbox = rig.sender.mailbox
+    assert mailbox.holds(None, client, seq.key) == {1}
+
+    def poll() -> Envelope | None:
+        return mailbox.answer(Envelope(soap=SoapVersion.SOAP12, rm=RMVersion.WSRM11, wsa=WsaVersion.WSA200508),
+                              MakeConnection(mc_anonymous(client)), None).envelope
+
+    for _ in range(6):  # two inactivity timeouts, polled every third of one, never acknowledged
+        got = poll()
+        assert got is not None and got.sequence == Sequence(offered, 1)
+        rig.tick(limits.offer_inactivity_timeout / 3)
+        assert rig.sources.get(seq.key) is seq
+    silent_since = rig.clock.time() - limits.offer_inactivity_timeout / 3
+    while rig.sources.get(seq.key) is seq and rig.clock.time() - silent_since < 3 * limits.offer_inactivity_timeout:
+        rig.tick(1.0)
+    silent = rig.clock.time() - silent_since
+    # (the expiry moves at most once per half timeout: a poll counts from the next event)
+    assert limits.offer_inactivity_timeout <= silent <= 2 * limits.offer_inactivity_timeout
+    assert rig.sources.get(seq.key) is None
+    assert mailbox.holds(None, client, seq.key) == set()
 
 
 # ---------------------------------------------------------------------- the wake-up call and the safety fill
