@@ -11,6 +11,8 @@
 - ``RecordingStore``: a ``MemoryStore`` counting its calls, whose next commit after a given call can land
   and then raise, as a database connection lost during COMMIT does (the outcome unknown to the caller).
 - ``OneStore``: the node's ``Stores`` for a worker whose every route lives in one store.
+- ``FakeTransactions``: the transaction manager as the invoker uses it: ``transaction()`` runs the
+  transaction's ``on_commit`` callbacks when its block ends normally and drops them when it raises.
 """
 
 from __future__ import annotations
@@ -85,13 +87,15 @@ class Request:
 
 class FakeTransport:
     """Posts to ``handler`` in-process. ``lose(request)`` True: the request is lost on the way (TransportError,
-    the handler never sees it). ``latency``: seconds the fake ``clock`` moves during each round trip."""
+    the handler never sees it); ``lose_answer(request)`` True: the handler took it, its answer is lost.
+    ``latency``: seconds the fake ``clock`` moves during each round trip."""
 
     def __init__(self, handler: Handler, clock: FakeClock | None = None, latency: float = 0.0):
         self.handler = handler
         self.clock = clock
         self.latency = latency
         self.lose: Callable[[Request], bool] = lambda request: False
+        self.lose_answer: Callable[[Request], bool] = lambda request: False
         self.requests: list[Request] = []
 
     def post(self, url: str, data: bytes, soap: SoapVersion, action: str | None) -> Reply:
@@ -108,6 +112,8 @@ class FakeTransport:
         if self.lose(request):
             raise TransportError(f"request to {request.url} lost (fake)")
         answer = self.handler(request.url, request.envelopes)
+        if self.lose_answer(request):
+            raise TransportError(f"the answer from {request.url} lost (fake)")
         body = b"" if answer.envelope is None else wire(answer.envelope)
         return Reply(answer.status, "application/soap+xml", body)
 
@@ -237,3 +243,37 @@ class OneStore:
 
     def distinct(self) -> list[Store]:
         return [self.inbound]
+
+
+class FakeTransaction:
+    """What the invoker uses of a global transaction: ``on_commit`` and ``connection``."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        self.callbacks.append(fn)
+
+    def connection(self, resource: str | None = None) -> Any:
+        raise AssertionError(f"a memory-mode transaction has no connection (asked for {resource!r})")
+
+
+class FakeTransactions:
+    """``transaction()`` like the transaction manager's: commits (runs the callbacks) when the block ends
+    normally, rolls back (drops them) when it raises. Counts both."""
+
+    def __init__(self) -> None:
+        self.committed = 0
+        self.rolled_back = 0
+
+    @contextmanager
+    def transaction(self) -> Iterator[FakeTransaction]:
+        tx = FakeTransaction()
+        try:
+            yield tx
+        except BaseException:
+            self.rolled_back += 1
+            raise
+        self.committed += 1
+        for fn in tx.callbacks:
+            fn()

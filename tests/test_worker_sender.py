@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from fakes_runtime import FakeClock, FakePeer, FakeTransport, OneStore, RecordingStore, inline
+from fakes_runtime import FakeClock, FakePeer, FakeTransport, OneStore, RecordingStore, inline, receiver_handler
 from qtp.wsrm.codec import Envelope, MakeConnection, SoapVersion, WsaVersion, mc_anonymous
 from qtp.wsrm.protocol import (
     CloseSequence,
@@ -30,11 +30,12 @@ from qtp.wsrm.runtime._metrics import Metrics
 from qtp.wsrm.runtime._offers import Offers, offer_route
 from qtp.wsrm.runtime._ownership import Ownership
 from qtp.wsrm.runtime._ports import Wake
+from qtp.wsrm.runtime._receiver import Receiver
 from qtp.wsrm.runtime._security import Security
 from qtp.wsrm.runtime._sender import FILL_INTERVAL_S, Sender
 from qtp.wsrm.runtime._sequences import Destinations, Outbound, Sources
 from qtp.wsrm.runtime._settings import ChannelSettings, Limits
-from qtp.wsrm.store import Outgoing
+from qtp.wsrm.store import MemoryStore, Outgoing
 
 PEER = "http://peer.test/rm"
 ME = "http://me.test/rm"
@@ -402,3 +403,81 @@ def test_a_full_sequence_is_closed_and_the_next_messages_go_in_a_new_one():
     assert len(rig.transport.carrying(CreateSequence)) == 2
     assert rig.transport.carrying(CloseSequence)[0].body.last_msg_number == 3
     assert rig.transport.carrying(TerminateSequence)
+
+
+# ---------------------------------------------------------------------- against a real receiver, over a lossy line
+
+class Stored:
+    """What a receiver tells its invoker (``Deliveries``): here only recorded."""
+
+    def __init__(self) -> None:
+        self.numbers: list[tuple[str, int]] = []
+
+    def ensure(self, identifier: str) -> None:
+        return None
+
+    def stored(self, identifier: str, number: int, message: object = None) -> None:
+        self.numbers.append((identifier, number))
+
+    def completed(self, identifier: str, received: object) -> None:
+        return None
+
+    def pending(self, identifier: str) -> bool:
+        return False
+
+    def backlog(self) -> int:
+        return 0
+
+    def backlog_of(self, identifiers: set[str]) -> int:
+        return 0
+
+
+class TakesAll:
+    def takes(self, action: str) -> bool:
+        return True
+
+    def for_message(self, message: object, info: object) -> None:
+        return None
+
+
+class NoSources:
+    def on_acks(self, acks: object) -> None:
+        return None
+
+    def on_body(self, body: object, key: str | None = None) -> None:
+        return None
+
+
+def receiver(clock: FakeClock, store: MemoryStore, stored: Stored) -> Receiver:
+    """A real Receiver on ``store``, taking every action, with no sequences of its own."""
+    limits, security = Limits(), Security()
+    sources, destinations, wake = Sources(), Destinations(), Wake()
+    metrics = Metrics("peer", destinations.open_count, lambda: 0)
+    offers = Offers(store, sources, destinations, limits, security.peer_for_url, wake, clock)
+    return Receiver(limits, security, "127.0.0.1", PEER, store, destinations, offers, NoSources(), stored,
+                    TakesAll(), Mailbox(limits, metrics, sources, destinations, clock),
+                    Ownership(destinations, sources, {}, security, metrics), metrics,
+                    FakeTransport(FakePeer()), inline, clock)  # type: ignore[arg-type]
+
+
+def test_over_a_line_that_loses_requests_and_answers_each_message_is_stored_once_in_order():
+    rig = build(limits=Limits(max_batch=4))
+    store, stored = MemoryStore("peer"), Stored()
+    rig.transport.handler = receiver_handler(receiver(rig.clock, store, stored))
+    rig.transport.lose = lambda request: len(rig.transport.requests) % 3 == 1
+    rig.transport.lose_answer = lambda request: len(rig.transport.requests) % 5 == 2  # stored, not acknowledged
+    ids: list[str] = []
+    for _ in range(3):
+        ids += rig.enqueue(10)
+        rig.tick(0.3)
+    for _ in range(200):
+        if not rig.store.read("backlog"):
+            break
+        rig.tick(0.5)
+    assert rig.store.read("backlog") == 0  # every message acknowledged
+    assert len(stored.numbers) == len(set(stored.numbers)) == len(ids)  # each stored once
+    with store.local() as s:
+        received = [(m.identifier, m.number, m.message_id) for m in store.incoming(s)]
+    assert [message_id for _, _, message_id in received] == ids  # in the order they were enqueued
+    assert rig.transport.carrying(CreateSequence)
+    assert len(rig.transport.messages()) > len(ids)  # (the loss was real: some were sent again)
