@@ -18,6 +18,7 @@ from qtp.wsrm.codec import Envelope, MakeConnection, SoapVersion, WsaVersion, mc
 from qtp.wsrm.protocol import (
     CloseSequence,
     CreateSequence,
+    DestinationRecord,
     RMVersion,
     Sequence,
     SequenceAcknowledgement,
@@ -33,9 +34,9 @@ from qtp.wsrm.runtime._ports import Wake
 from qtp.wsrm.runtime._receiver import Receiver
 from qtp.wsrm.runtime._security import Security
 from qtp.wsrm.runtime._sender import FILL_INTERVAL_S, Sender
-from qtp.wsrm.runtime._sequences import Destinations, Outbound, Sources
+from qtp.wsrm.runtime._sequences import Destinations, Inbound, Outbound, Sources
 from qtp.wsrm.runtime._settings import ChannelSettings, Limits
-from qtp.wsrm.store import MemoryStore, Outgoing
+from qtp.wsrm.store import DestinationInfo, MemoryStore, Outgoing
 
 PEER = "http://peer.test/rm"
 ME = "http://me.test/rm"
@@ -89,9 +90,10 @@ class Rig:
 
 
 def build(limits: Limits | None = None, peer: FakePeer | None = None, reply: bool = False, batch: bool = True,
-          lanes: int = 1, latency: float = 0.0) -> Rig:
+          lanes: int = 1, latency: float = 0.0, store: RecordingStore | None = None) -> Rig:
+    """``store``: the store of a node that ran before (a restart)."""
     limits = limits or Limits()
-    clock, store, peer = FakeClock(), RecordingStore(), peer or FakePeer()
+    clock, store, peer = FakeClock(), store or RecordingStore(), peer or FakePeer()
     channels = {"out": ChannelSettings("out", peer=PEER, mode="memory", reply=reply, batch=batch, lanes=lanes)}
     sources, destinations, wake, security = Sources(), Destinations(), Wake(), Security()
     metrics = Metrics("n1", destinations.open_count, lambda: 0)
@@ -149,6 +151,18 @@ def test_a_peer_without_batches_gets_one_message_per_request_in_number_order():
     carrying = [r for r in rig.transport.requests if r.messages]
     assert [len(r.messages) for r in carrying] == [1, 1, 1, 1]
     assert [r.messages[0][1] for r in carrying] == [1, 2, 3, 4]
+
+
+def test_no_more_than_the_window_is_numbered_until_acknowledgements_make_room():
+    rig = build(limits=Limits(max_unacknowledged=3), peer=FakePeer(acknowledge=False))
+    ids = rig.enqueue(5)
+    rig.tick()
+    seq = rig.only()
+    assert rig.numbered(seq.key) == dict(enumerate(ids[:3], start=1))
+    rig.sender.on_acks((SequenceAcknowledgement(seq.identifier, ranges=((1, 2),)),))
+    rig.tick()
+    assert rig.numbered(seq.key) == {3: ids[2], 4: ids[3], 5: ids[4]}
+    assert rig.peer.received[seq.identifier] == [1, 2, 3, 4, 5]
 
 
 # ---------------------------------------------------------------------- acknowledgements
@@ -265,6 +279,26 @@ def test_after_a_commit_with_an_unknown_outcome_the_store_is_read_again_and_no_n
     assert sorted(set(rig.peer.received[seq.identifier])) == [1, 2, 3, 4, 5, 6]
 
 
+# ---------------------------------------------------------------------- a restart
+
+def test_after_a_restart_what_was_numbered_and_not_acknowledged_is_read_back_from_the_store_and_sent_again():
+    before = build()
+    before.transport.lose = lambda request: bool(request.messages)  # the node dies before any arrives
+    ids = before.enqueue(3)
+    before.tick()
+    identifier = before.only().identifier
+    after = build(store=before.store, peer=before.peer)  # a new process: nothing in memory
+    after.sender.load()
+    seq = after.only()
+    assert seq.identifier == identifier and seq.cache == {}
+    after.tick()
+    assert after.transport.carrying(CreateSequence) == []
+    sent = [e for r in after.transport.requests for e in r.envelopes if e.sequence is not None]
+    assert [(e.sequence.number, e.addressing.message_id) for e in sent] == list(enumerate(ids, start=1))
+    after.tick()
+    assert after.store.read("backlog") == 0
+
+
 # ---------------------------------------------------------------------- offers
 
 def test_a_request_reply_channel_offers_a_sequence_that_is_our_destination_before_the_create_leaves():
@@ -363,6 +397,43 @@ def test_replies_for_a_peer_that_polls_are_held_and_its_polls_keep_the_offered_s
     assert limits.offer_inactivity_timeout <= silent <= 2 * limits.offer_inactivity_timeout
     assert rig.sources.get(seq.key) is None
     assert mailbox.holds(None, client, seq.key) == set()
+
+
+def inbound_that_accepted(rig: Rig, offered: str) -> str:
+    """An inbound sequence of ours whose CreateSequence offered ``offered`` (its identifier)."""
+    identifier = f"urn:uuid:{uuid.uuid4()}"
+    record = DestinationRecord(identifier, RMVersion.WSRM11, accepted_offer=offered)
+    rig.destinations.add(Inbound(DestinationInfo(reply_to=PEER), record))
+    return identifier
+
+
+def test_an_offered_sequence_that_carried_no_reply_ends_at_once_with_its_inbound_sequence():
+    rig = build()
+    offered = f"urn:uuid:{uuid.uuid4()}"
+    seq = accept_offer(rig, offered)
+    inbound = inbound_that_accepted(rig, offered)
+    rig.tick()
+    assert rig.sources.get(seq.key) is seq
+    rig.offers.inbound_finished(inbound)
+    rig.tick()
+    assert rig.sources.get(seq.key) is None
+    assert rig.transport.requests == []  # nothing to close or to tell the peer
+    assert seq.key not in {record.key for _, record in rig.store.read("sources")}
+
+
+def test_an_offered_sequence_with_replies_is_closed_once_they_are_acknowledged_after_its_inbound_sequence_ends():
+    rig = build()
+    offered = f"urn:uuid:{uuid.uuid4()}"
+    seq = accept_offer(rig, offered)
+    inbound = inbound_that_accepted(rig, offered)
+    rig.enqueue(2, route=offer_route(offered))
+    rig.tick()
+    rig.offers.inbound_finished(inbound)
+    rig.tick()  # the acknowledgements of both replies, then the end: Close, Terminate
+    assert rig.peer.received[offered] == [1, 2]
+    assert rig.peer.closed == [offered] and rig.peer.terminated == [offered]
+    assert rig.sources.get(seq.key) is None and rig.offers.ending() == []
+    assert rig.store.read("backlog") == 0
 
 
 # ---------------------------------------------------------------------- the wake-up call and the safety fill
