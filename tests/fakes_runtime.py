@@ -87,13 +87,15 @@ class Request:
 
 class FakeTransport:
     """Posts to ``handler`` in-process. ``lose(request)`` True: the request is lost on the way (TransportError,
-    the handler never sees it). ``latency``: seconds the fake ``clock`` moves during each round trip."""
+    the handler never sees it); ``lose_answer(request)`` True: the handler took it, its answer is lost.
+    ``latency``: seconds the fake ``clock`` moves during each round trip."""
 
     def __init__(self, handler: Handler, clock: FakeClock | None = None, latency: float = 0.0):
         self.handler = handler
         self.clock = clock
         self.latency = latency
         self.lose: Callable[[Request], bool] = lambda request: False
+        self.lose_answer: Callable[[Request], bool] = lambda request: False
         self.requests: list[Request] = []
 
     def post(self, url: str, data: bytes, soap: SoapVersion, action: str | None) -> Reply:
@@ -110,6 +112,8 @@ class FakeTransport:
         if self.lose(request):
             raise TransportError(f"request to {request.url} lost (fake)")
         answer = self.handler(request.url, request.envelopes)
+        if self.lose_answer(request):
+            raise TransportError(f"the answer from {request.url} lost (fake)")
         body = b"" if answer.envelope is None else wire(answer.envelope)
         return Reply(answer.status, "application/soap+xml", body)
 
