@@ -113,7 +113,7 @@ def box(limits: Limits | None = None, pending: int = 3) -> Box:
     inbound = f"urn:uuid:{uuid.uuid4()}"
     destinations.add(Inbound(DestinationInfo(owner=ALICE), DestinationRecord(inbound, RMVersion.WSRM11)))
     metrics = Metrics("server", destinations.open_count, lambda: 0)
-    return Box(Mailbox(limits, metrics, sources, destinations, clock), clock, sources, out, inbound, limits)
+    return Box(Mailbox(limits, metrics, sources, destinations, None, clock), clock, sources, out, inbound, limits)
 
 
 def numbers(answer_: Answer) -> tuple[int | None, bool | None]:

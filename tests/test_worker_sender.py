@@ -100,7 +100,7 @@ def build(limits: Limits | None = None, peer: FakePeer | None = None, reply: boo
     offers = Offers(store, sources, destinations, limits, security.peer_for_url, wake, clock)
     transport = FakeTransport(peer, clock, latency)
     sender = Sender(limits, channels, OneStore(store), sources, offers, transport,  # type: ignore[arg-type]
-                    Mailbox(limits, metrics, sources, destinations, clock),
+                    Mailbox(limits, metrics, sources, destinations, None, clock),
                     Ownership(destinations, sources, channels, security, metrics), metrics, security, ME, None,
                     wake, clock, run=inline)
     return Rig(sender, store, clock, transport, peer, sources, destinations, offers, wake)
@@ -526,7 +526,7 @@ def receiver(clock: FakeClock, store: MemoryStore, stored: Stored) -> Receiver:
     metrics = Metrics("peer", destinations.open_count, lambda: 0)
     offers = Offers(store, sources, destinations, limits, security.peer_for_url, wake, clock)
     return Receiver(limits, security, "127.0.0.1", PEER, store, destinations, offers, NoSources(), stored,
-                    TakesAll(), Mailbox(limits, metrics, sources, destinations, clock),
+                    TakesAll(), Mailbox(limits, metrics, sources, destinations, None, clock),
                     Ownership(destinations, sources, {}, security, metrics), metrics,
                     FakeTransport(FakePeer()), inline, clock)  # type: ignore[arg-type]
 

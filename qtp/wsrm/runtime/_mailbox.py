@@ -239,7 +239,7 @@ class Poller:
     """The MakeConnection loop of a node without an endpoint, one thread per peer of its reply channels."""
 
     def __init__(self, address: str, channels: Mapping[str, Any], limits: Any, transport: Transport, metrics: Any,
-                 security: Security, handle: Callable[[Envelope, Source], Answer], log_dir: Path,
+                 security: Security, handle: Callable[[Envelope, Source], Answer], log_dir: Path | None = None,
                  clock: Callable[[], float] = time.time):
         self.address = address
         self.channels = channels
@@ -248,7 +248,8 @@ class Poller:
         self.metrics = metrics
         self.security = security
         self._handle = handle
-        self.peers_seen = PolledPeers(Path(log_dir) / POLLED_PEERS_FILE, limits.poll_interval_max, clock)
+        self.peers_seen = PolledPeers(None if log_dir is None else Path(log_dir) / POLLED_PEERS_FILE,
+                                      limits.poll_interval_max, clock)
         self._acks: dict[str, dict[str, SequenceAcknowledgement]] = {}
         self._mutex = threading.Lock()
 
@@ -338,14 +339,15 @@ class PeerPolls:
 class PolledPeers:
     """The poller's view of each peer it polls; reports the ones that look like they lack WS-MC."""
 
-    def __init__(self, path: Path, interval: float, clock: Callable[[], float] = time.time):
+    def __init__(self, path: Path | None, interval: float, clock: Callable[[], float] = time.time):
         self.path = path
         self.interval = interval  # how often an idle peer is polled ([limits] poll_interval_max)
         self._clock = clock
         self._mutex = threading.Lock()
         self._peers: dict[str, PeerPolls] = {}
         try:
-            path.unlink(missing_ok=True)  # what an earlier run of the node reported: polled afresh now
+            if path is not None:  # (None: reported in the log only)
+                path.unlink(missing_ok=True)  # what an earlier run of the node reported: polled afresh now
         except OSError as exc:
             log.warning("could not remove %s: %s", path, exc)
 
@@ -389,6 +391,8 @@ class PolledPeers:
 
     def _save(self) -> None:
         """Write the peers to ``path`` (atomically) for ``qtp status``; a failure is logged, not raised."""
+        if self.path is None:
+            return
         now = self._clock()
         peers = [{k: v for k, v in asdict(p).items() if k not in ("reported_at", "empty_since")}
                  | {"empty_for_s": None if p.empty_since is None else round(now - p.empty_since, 3)}
