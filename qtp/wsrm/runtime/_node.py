@@ -104,6 +104,7 @@ class Node:
         self._backlog: dict[str, tuple[float, int]] = {}
         self._unstarted_warned = False
         self._tables_created = False
+        self._tables_lock = threading.Lock()
         self._assemble(manager, settings)
         manager.node = self
 
@@ -317,10 +318,11 @@ class Node:
         return self
 
     def _create_tables(self) -> None:
-        if not self._tables_created:
-            for store in self.stores.distinct():
-                store.create()
-            self._tables_created = True
+        with self._tables_lock:  # (a sending thread and start() may both come here first)
+            if not self._tables_created:
+                for store in self.stores.distinct():
+                    store.create()
+                self._tables_created = True
 
     @property
     def stopping(self) -> threading.Event:
