@@ -72,7 +72,7 @@ def test_the_transaction_manager_runs_without_spark_and_reconcile_says_what_to_i
                          timeout=120)
     assert run.stdout.splitlines()[0] == "committed", run.stderr
     assert run.returncode == 2, run.stderr
-    assert "pip install 'qtp[spark]'" in run.stderr
+    assert "pip install 'qtp-queued[spark]'" in run.stderr
 
 
 def test_every_requirement_is_a_range_up_to_the_next_major_that_the_lock_satisfies():
@@ -112,3 +112,10 @@ def test_metrics_serve_the_build_info(pg_db, tmp_path):
     finally:
         node.close()
     assert f'qtp_build_info{{node="{node_id}",version="{qtp.__version__}"}} 1.0' in text.splitlines()
+
+
+def test_the_readme_states_the_declared_ranges():
+    readme = (ROOT / "README.md").read_text()
+    for req in declared()[""]:
+        upper = next(spec.version for spec in req.specifier if spec.operator == "<")
+        assert f"{req.name} >={lower_bound(req)},<{upper}" in readme, f"README does not say {req}"
