@@ -78,7 +78,8 @@ def test_the_transaction_manager_runs_without_spark_and_reconcile_says_what_to_i
 def test_every_requirement_is_a_range_up_to_the_next_major_that_the_lock_satisfies():
     """An application's own SQLAlchemy 2.0.x or psycopg2 patch release installs beside qtp; ``make`` still
     installs the one exact set of requirements.lock, which lies inside the ranges. The upper bound is the
-    major release after the locked one (the newest version tested)."""
+    major release after the locked one (the newest version tested). Only the core's lower bounds have a test of
+    their own (test_packaging_lowest.py): an extra's lower bound is the version make test runs."""
     pins = locked()
     for extra, reqs in declared().items():
         for req in reqs:
@@ -87,6 +88,7 @@ def test_every_requirement_is_a_range_up_to_the_next_major_that_the_lock_satisfi
             assert lower_bound(req) and uppers == [str(int(pin.split(".")[0]) + 1)], \
                 f"[{extra or 'install_requires'}] {req}: want >=LOWEST,<NEXT-MAJOR (locked {pin})"
             assert pin in req.specifier, f"requirements.lock's {req.name}=={pin} is outside {req}"
+            assert extra == "" or lower_bound(req) == pin, f"{req}: an extra's tested lower bound is its lock, {pin}"
 
 
 def test_the_version_is_written_once_and_shown_by_qtp_version():

@@ -120,7 +120,8 @@ def test_the_readmes_first_transaction_example_runs_from_the_fresh_virtualenv(ve
     app, ledger = pg_db("app"), maria_db("ledger")
     create(app, "CREATE TABLE accounts (id int PRIMARY KEY, balance int NOT NULL)")
     create(app, "INSERT INTO accounts VALUES (1, 100)")
-    create(ledger, "CREATE TABLE entries (id int AUTO_INCREMENT PRIMARY KEY, account int NOT NULL, amount int NOT NULL)")
+    create(ledger, "CREATE TABLE entries (id int AUTO_INCREMENT PRIMARY KEY, account int NOT NULL, "
+                   "amount int NOT NULL)")
     example = _first_transaction_example()
     urls = {"postgresql://app@db1/app": app, "mysql+pymysql://qtp@db2/ledger": ledger}
     assert all(old in example for old in urls)
