@@ -20,8 +20,8 @@ from packaging_support import ROOT, canonical, clean_env, declared, locked, lowe
 
 # The resource contract on both drivers, the transaction manager's paths through them (ORM sessions, driver
 # errors translated, lock waits interrupted, a connection broken during COMMIT), the README's messaging example
-# (codec, HTTP, both stores) and /metrics. Each inner session starts and removes its own PostgreSQL and
-# MariaDB; their shutdown grows with the databases made, so the set is chosen, not whole files.
+# (codec, HTTP, both stores) and /metrics, with their own PostgreSQL and MariaDB: 51 tests in about 21 s, where
+# the whole of test_coordinator.py would take 35 s.
 COORDINATOR = [f"tests/test_coordinator.py::test_{name}" for name in (
     "transfer_commits_on_both_databases", "exception_rolls_back_both_databases", "no_vote_rolls_back_every_branch",
     "orm_session_is_bound_to_the_branch", "temporary_tables_cannot_be_prepared",
