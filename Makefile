@@ -3,13 +3,14 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 SYSSTAMP := .qtp/.system-deps
 
-.PHONY: demo test bench deps venv db-start db-stop clean
+.PHONY: demo test bench dist deps venv db-start db-stop clean
 
 venv: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml requirements.lock
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip uninstall -q -y qtp 2>/dev/null  # the distribution's name before qtp-queued
 	$(PY) -m pip install -q -c requirements.lock -e '.[test,spark,embedded]'
 	touch $(STAMP)
 
@@ -35,6 +36,10 @@ test: venv deps
 
 bench: venv deps
 	$(PY) benchmarks/tm_overhead.py
+
+# The wheel and sdist in dist/, built by the standard front end (tests/test_packaging_dist.py tests them).
+dist: venv
+	$(PY) -m build --outdir dist .
 
 clean:
 	-$(PY) -m qtp db stop

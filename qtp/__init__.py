@@ -13,9 +13,10 @@
 """
 
 from qtp import errors, recovery  # noqa: F401 - recovery registers itself with the coordinator
+from qtp._version import __version__
 from qtp.coordinator import Outcome, Transaction, TransactionManager, current, install, transaction
 from qtp.errors import QtpError
 from qtp.wsrm.runtime import Message, Node
 
-__all__ = ["Message", "Node", "Outcome", "QtpError", "Transaction", "TransactionManager", "current", "errors",
-           "install", "transaction"]
+__all__ = ["Message", "Node", "Outcome", "QtpError", "Transaction", "TransactionManager", "__version__", "current",
+           "errors", "install", "transaction"]

@@ -1,6 +1,7 @@
 """The ``qtp`` command. Each subcommand lives in its own module, which exposes ``register(subparsers)``.
 
-Subcommands set ``func(args) -> int`` (the exit code). qtp errors are printed as one line naming the cause
+Subcommands set ``func(args) -> int`` (the exit code). ``qtp --version`` prints the version of
+``qtp/_version.py`` and exits 0. qtp errors are printed as one line naming the cause
 and the fix, with exit code 2; ``--traceback`` shows the whole stack instead.
 """
 
@@ -10,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from qtp._version import __version__
 from qtp.errors import QtpError
 
 # One line per subcommand module; a module registers one or more subcommands.
@@ -26,6 +28,7 @@ COMMAND_MODULES = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qtp", description="qtp: queued transaction processing")
     parser.add_argument("--traceback", action="store_true", help="show the full stack on errors")
+    parser.add_argument("--version", action="version", version=f"qtp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

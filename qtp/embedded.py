@@ -206,14 +206,19 @@ class EmbeddedPostgres:
                 time.sleep(0.05)
 
     def stop(self) -> None:
+        self._shut_down(signal.SIGINT)  # fast shutdown: a checkpoint writes every dirty page first
+
+    def _shut_down(self, how: signal.Signals) -> None:
         pid = self.postmaster_pid()
         if pid is not None and _pid_alive(pid):
-            os.kill(pid, signal.SIGINT)  # fast shutdown
+            os.kill(pid, how)
             _wait_gone(pid)
 
     def destroy(self) -> None:
-        """Stop the server and delete its data (for throw-away test servers)."""
-        self.stop()
+        """Stop the server and delete its data (for throw-away test servers). The stop is an immediate shutdown,
+        without the checkpoint of data about to be deleted: with 30 test databases, 1.4 s and 2 s of rmtree
+        instead of 14 s and 10 s (a shared 2-core machine)."""
+        self._shut_down(signal.SIGQUIT)
         shutil.rmtree(self.datadir.parent, ignore_errors=True)
         shutil.rmtree(self.root, ignore_errors=True)
 

@@ -21,6 +21,7 @@ ANY = frozenset({"*"})
 
 ALLOWED: dict[str, frozenset[str]] = {
     "errors": frozenset(),
+    "_version": frozenset(),  # the version string alone
     "config": frozenset({"errors"}),
     "xa": frozenset({"errors"}),
     "coordinator": frozenset({"errors", "config", "xa"}),
@@ -30,13 +31,13 @@ ALLOWED: dict[str, frozenset[str]] = {
     "wsrm.codec": frozenset({"errors", "wsrm.protocol"}),
     "wsrm.store": frozenset({"errors", "wsrm.protocol"}),
     "wsrm.runtime": frozenset({"errors", "config", "xa", "coordinator", "wsrm.protocol", "wsrm.codec", "wsrm.store",
-                               "_render"}),
+                               "_render", "_version"}),
     "coupled": frozenset({"errors", "config", "xa", "coordinator", "wsrm.store", "wsrm.runtime", "_render"}),
     "reconcile": frozenset({"errors"}),
     "embedded": frozenset({"errors"}),
     "_render": frozenset({"errors", "config"}),
-    "qtp": frozenset({"errors", "coordinator", "recovery", "wsrm.runtime"}),  # the public API re-exported
-    "cli": frozenset({"errors"}),  # loads the command modules by name (importlib), never by import
+    "qtp": frozenset({"errors", "coordinator", "recovery", "wsrm.runtime", "_version"}),  # the public API re-exported
+    "cli": frozenset({"errors", "_version"}),  # loads the command modules by name (importlib), never by import
     "__main__": frozenset({"cli"}),
     "db_cli": frozenset({"errors", "embedded"}),
     "status_cli": frozenset({"errors", "config", "_render", "recovery", "wsrm.runtime", "coupled"}),

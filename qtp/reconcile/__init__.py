@@ -28,7 +28,7 @@ def require_spark() -> None:
         import pyspark  # noqa: F401
     except ImportError as exc:
         raise ConfigurationError("qtp reconcile needs PySpark, an optional part of qtp: "
-                                 "pip install 'qtp[spark]'") from exc
+                                 "pip install 'qtp-queued[spark]'") from exc
 
 
 def __getattr__(name: str) -> Any:

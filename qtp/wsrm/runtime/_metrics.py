@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+
+from qtp._version import __version__
 
 # Per channel, read when /metrics is scraped: name -> help text. The values come from the node's
 # ``channel_stats()``: {channel: {name: value}}.
@@ -73,6 +75,8 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"node": node_id}
         self.node_id = node_id
+        Info("qtp_build", "The qtp release this node runs (qtp_build_info{version} 1)", labelnames=["node"],
+             registry=self.registry).labels(**labels).info({"version": __version__})
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"qtp_messages_{name}", doc, labelnames=["node"], registry=self.registry).labels(**labels)
