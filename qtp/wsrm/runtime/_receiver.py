@@ -294,16 +294,22 @@ class Receiver:
         arrival = _Arrival(envs)
         with seq.io:
             seq.arrivals.append(arrival)
-        with seq.changing(self._reload):
-            if arrival.answer is None and arrival.failure is None:
-                with seq.io:
-                    group, seq.arrivals = seq.arrivals, []
-                try:
-                    self._store_group(seq, group, now)
-                except BaseException as exc:
-                    for other in group:
-                        other.failure = exc
-                    raise
+        try:
+            with seq.changing(self._reload):
+                if arrival.answer is None and arrival.failure is None:
+                    with seq.io:
+                        group, seq.arrivals = seq.arrivals, []
+                    try:
+                        self._store_group(seq, group, now)
+                    except BaseException as exc:
+                        for other in group:
+                            other.failure = exc
+                        raise
+        except BaseException:
+            with seq.io:  # (the reload failed before anyone took it: it is not left for the next group)
+                if arrival in seq.arrivals:
+                    seq.arrivals.remove(arrival)
+            raise
         if arrival.answer is None:
             raise MessagingError(f"the messages of sequence {identifier} could not be stored now: "
                                  f"{arrival.failure}") from arrival.failure
