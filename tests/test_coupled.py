@@ -493,14 +493,16 @@ def test_the_coupled_table_of_qtp_toml_gives_coupled_its_defaults(pg_db, tmp_pat
     text = configs["a"].read_text()
     configs["a"].write_text(text + f'\n[coupled]\nworkers = 2\nsweep_interval = 0.25\nreplies = {{ "{ids["b"]}x" = '
                                    f'"{ids["b"]}" }}\n')
-    node = qtp.Node.from_config(configs["a"])
+    configs["b"].write_text(configs["b"].read_text() + "\n[coupled]\nworkers = 2\n")
+    node, other = qtp.Node.from_config(configs["a"]), qtp.Node.from_config(configs["b"])
     try:
         coupled = Coupled(node, start=False)
         assert (coupled.recipient._pool._max_workers, coupled.sweep_interval) == (2, 0.25)
         assert coupled.site.reply_channel(ids["b"] + "x", None) == ids["b"]  # from [coupled] replies
-        assert Coupled(node, workers=3, start=False).recipient._pool._max_workers == 3  # arguments win
+        assert Coupled(other, workers=3, start=False).recipient._pool._max_workers == 3  # arguments win
     finally:
         node.close()
+        other.close()
     for bad, match in [("workers = 0", "workers must be"), ("sweep = 1", "takes workers"),
                        ('replies = { x = "nowhere" }', "unknown channel")]:
         configs["a"].write_text(text + f"\n[coupled]\n{bad}\n")
@@ -588,8 +590,8 @@ def test_a_sender_that_requires_a_coupling_never_commits_on_a_weaker_one(banks):
 
 
 def test_an_original_that_arrives_before_its_handler_is_registered_waits_for_it(banks):
-    """A recipient restarts (``Coupled(node)`` starts taking originals at once) and the application registers
-    its shared handler two seconds later: the original waits for it (a missing handler is not a refusal in
+    """A recipient restarts (its node starts taking originals at once) and the application registers its
+    shared coupled handler two seconds later: the original waits for it (a missing handler is not a refusal in
     the first seconds after start) and is processed with the handler's coupling, so the sender commits."""
     import threading
 
@@ -612,6 +614,7 @@ def test_an_original_that_arrives_before_its_handler_is_registered_waits_for_it(
     node = qtp.Node.from_config(bb.config)
     try:
         coupled = Coupled(node, sweep_interval=0.5)
+        node.start()  # (the node-level handlers of coupled messaging are registered: the coupled one is not)
         time.sleep(2.0)  # the original is delivered meanwhile: no handler for it yet
 
         @coupled.handler(OPEN, coupling="shared")

@@ -66,6 +66,7 @@ class Mallory:
         self.id = self.node.manager.node_id
         for action in wire.ACTION.values():
             self.node.handler(action)(lambda tx, message: None)
+        self.node.start()
 
     def send(self, to: str, control: wire.Control) -> None:
         with self.node.manager.transaction() as tx:
