@@ -56,6 +56,7 @@ class Coupled:
         self.recipient = Recipient(self.site, workers)
         for store in [self.site.store, *self.site.coupled_stores()]:
             tables.create(store.engine)
+        node.create_tables()  # (originals are enqueued in their own commit, also before the node starts)
         node.coupled = self
         self._started = False
         # the node refuses handlers once it has started: Coupled(node) comes before node.start()
@@ -73,11 +74,10 @@ class Coupled:
         if not self._started:
             self._started = True
             self.recipient.started = time.monotonic()
-            if self.node.started:
-                self.sender.sweep(startup=True)
-                self.node.add_worker(self._work, "qtp-coupled")
-            else:  # the node's tables and workers exist once it starts: sweep then, in the worker
-                self.node.add_worker(self._start_then_work, "qtp-coupled")
+            # before any coupled transaction of this process can start: what it finds undecided is an earlier
+            # run's (the node's queue tables are created by the first message it enqueues, if need be)
+            self.sender.sweep(startup=True)
+            self.node.add_worker(self._work, "qtp-coupled")  # from the node's start, at once if it has started
         return self
 
     # ------------------------------------------------------------------ the application's API
@@ -119,17 +119,6 @@ class Coupled:
         return self.sender.open_compensations()
 
     # ------------------------------------------------------------------ the worker
-
-    def _start_then_work(self) -> None:
-        self.recipient.started = time.monotonic()
-        while not self.site.stopping.is_set():
-            try:
-                self.sender.sweep(startup=True)
-                break
-            except Exception as exc:  # a database down at start: the sweep is retried, nothing waits on it
-                log.warning("coupled start-up sweep: %s: %s; retrying", type(exc).__name__, exc)
-                self.site.stopping.wait(1.0)
-        self._work()
 
     def _work(self) -> None:
         last_sweep = last_prune = 0.0

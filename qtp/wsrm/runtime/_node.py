@@ -240,7 +240,7 @@ class Node:
         self.check_size(payload)
         if not self.started and not self._unstarted_warned:
             self._unstarted_warned = True
-            self._create_tables()
+            self.create_tables()
             log.warning("node %s is not started: what is sent waits in its store until node.start()",
                         self.manager.node_id)
         self._check_backlog(channel, settings)
@@ -296,7 +296,7 @@ class Node:
             if channel.reply and name not in self._table.replies:
                 log.warning("channel %r is request-reply but no reply handler is registered: its replies become "
                             "dead letters (register one with @node.reply_handler(%r) before start)", name, name)
-        self._create_tables()
+        self.create_tables()
         self.receiver.load()
         self.sender.load()
         self.invoker.load()
@@ -317,7 +317,9 @@ class Node:
                  sorted(self.channels))
         return self
 
-    def _create_tables(self) -> None:
+    def create_tables(self) -> None:
+        """Create the stores' tables where missing (once): ``start()`` does, and so does the first message
+        enqueued before it; a layer that writes to the queues itself before the start calls it."""
         with self._tables_lock:  # (a sending thread and start() may both come here first)
             if not self._tables_created:
                 for store in self.stores.distinct():
