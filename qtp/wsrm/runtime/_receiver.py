@@ -119,6 +119,7 @@ class Receiver:
         self._created_by: dict[str, str] = {}  # CreateSequence MessageID -> identifier
         self._locks: dict[str, threading.Lock] = {}
         self._mutex = threading.Lock()
+        self._creating = threading.Lock()  # one CreateSequence at a time, from its checks to its adoption
         self._stale: set[str] = set()  # sequences whose last store transaction ended with an error
         self._arrivals: dict[str, list[_Arrival]] = {}  # requests waiting for their sequence's next commit
         self._next_sweep = 0.0
@@ -248,6 +249,15 @@ class Receiver:
         return self.fault(env, SequenceFault(FaultCode.CREATE_SEQUENCE_REFUSED, None, reason))
 
     def _create(self, env: Envelope, body: CreateSequence, now: float, caller: str | None = None) -> Answer:
+        """A CreateSequence, under ``_creating``: a copy the peer sent again while the first was being stored
+        (a slow or restarting database) then finds the first's sequence made and is answered with it, instead
+        of making a second sequence that accepts the same offer (two RM Sources for one offered sequence:
+        the peer's acknowledgements went to the one that had sent nothing, which failed the sequence with
+        InvalidAcknowledgement, and no reply reached the peer any more)."""
+        with self._creating:
+            return self._create_locked(env, body, now, caller)
+
+    def _create_locked(self, env: Envelope, body: CreateSequence, now: float, caller: str | None) -> Answer:
         message_id = env.addressing.message_id
         known = self._created_by.get(message_id) if message_id else None
         if known is not None and not self._foreign(known, caller):  # a retransmitted CreateSequence
