@@ -17,7 +17,8 @@ client's reply sequence failed: no reply on it was applied any more. Memory mode
 every restart, so it met this far more often than ``xa``. To meet it in seconds rather than in one run of
 several, the client starts a new sequence every ``SEQUENCE`` messages and half of the requests are
 duplicated (half of those copies at once). Before the fix the channel-in-memory case failed 3 of 3 runs
-(5 to 24 of the 50 orders after the last kill, or of the first 50, without a reply after 60 s).
+and the all-in-memory one 1 of 3 (6 to 9 of the 50 orders after the last kill, or of the first 50, without
+a reply after 60 s: one sequence's replies).
 """
 
 from __future__ import annotations
