@@ -23,11 +23,13 @@ a reply after 60 s: one sequence's replies).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
 
 import pytest
+from sqlalchemy.exc import OperationalError
 
 import qtp
 from qtp.embedded import free_port
@@ -122,14 +124,24 @@ def _wait_for_all(client_app: str, server_app: str, committed: int, kill: str) -
                          f"{unreplied} after {BOUND_S:.0f} s")
 
 
+def _anonymous_node(tmp_path) -> Node:
+    """A node on the memory store, not started, that takes anonymous CreateSequences (it listens on loopback)."""
+    port = free_port()
+    tm = qtp.TransactionManager(f"create-{uuid.uuid4().hex[:6]}", tmp_path / "logs", recovery_interval=None)
+    return Node(tm, NodeSettings(endpoint=f"http://127.0.0.1:{port}/rm", listen=("127.0.0.1", port), mode="memory",
+                                 security=Security(allow_anonymous=True)))
+
+
+def _create_with_offer(node: Node) -> tuple[object, Offer]:
+    offer = Offer(f"urn:uuid:{uuid.uuid4()}", endpoint=mc_anonymous(f"urn:uuid:{uuid.uuid4()}"))
+    return request(CreateSequence(anonymous(WsaVersion.WSA200508), offer=offer), to=node.endpoint), offer
+
+
 def test_a_create_sequence_sent_again_while_the_first_is_being_stored_makes_one_sequence(tmp_path):
     """The cause of the stall, alone (see the module's docstring): two copies of one CreateSequence handled
     at once make one sequence and one RM Source for the offered sequence. Here the store's write of the
     first copy waits until the second copy reaches it (at most a second)."""
-    port = free_port()
-    tm = qtp.TransactionManager(f"twice-{uuid.uuid4().hex[:6]}", tmp_path / "logs", recovery_interval=None)
-    node = Node(tm, NodeSettings(endpoint=f"http://127.0.0.1:{port}/rm", listen=("127.0.0.1", port), mode="memory",
-                                 security=Security(allow_anonymous=True)))
+    node = _anonymous_node(tmp_path)
     store, second, calls = node.inbound_store, threading.Event(), []
     create_destination = store.create_destination
 
@@ -142,8 +154,7 @@ def test_a_create_sequence_sent_again_while_the_first_is_being_stored_makes_one_
         return create_destination(s, info, record)
 
     store.create_destination = slow_create_destination  # type: ignore[method-assign]
-    offer = Offer(f"urn:uuid:{uuid.uuid4()}", endpoint=mc_anonymous(f"urn:uuid:{uuid.uuid4()}"))
-    create = request(CreateSequence(anonymous(WsaVersion.WSA200508), offer=offer), to=node.endpoint)
+    create, offer = _create_with_offer(node)
     answers: list = []
     try:
         threads = [threading.Thread(target=lambda: answers.append(node.receiver.handle(create, None))) for _ in "ab"]
@@ -157,4 +168,40 @@ def test_a_create_sequence_sent_again_while_the_first_is_being_stored_makes_one_
         sources = [info.route for info, _ in node.sender.snapshot()]
         assert sources == [f"offer:{offer.identifier}"], f"RM Sources for the offered sequence: {sources}"
     finally:
-        tm.close()
+        node.manager.close()
+
+
+def test_a_create_sequence_whose_commit_landed_but_failed_is_answered_with_that_sequence_when_sent_again(tmp_path):
+    """The database dies after the COMMIT of a CreateSequence landed and before the node heard of it: the
+    peer's copy sent again must get the stored sequence, not a second one accepting the same offer (the
+    store would then hold two RM Sources for the offered sequence, which a restart loads both of)."""
+    node = _anonymous_node(tmp_path)
+    store = node.inbound_store
+    local, create_destination, creates = store.local, store.create_destination, []
+
+    @contextlib.contextmanager
+    def commit_then_fail():
+        before = len(creates)
+        with local() as s:
+            yield s
+        if before == 0 and creates:  # only the first CreateSequence's commit fails, after it landed
+            raise OperationalError("COMMIT", {}, ConnectionError("server closed the connection unexpectedly"))
+
+    def count(s, info, record):
+        creates.append(info)
+        return create_destination(s, info, record)
+
+    store.local, store.create_destination = commit_then_fail, count  # type: ignore[method-assign]
+    create, offer = _create_with_offer(node)
+    try:
+        with pytest.raises(OperationalError):
+            node.receiver.handle(create, None)
+        body = node.receiver.handle(create, None).envelope.body
+        with local() as s:
+            stored = [record.identifier for _, record in store.destinations(s)]
+            sources = [info.route for info, _ in store.sources(s)]
+        assert isinstance(body, CreateSequenceResponse), body
+        assert stored == [body.identifier], f"stored sequences {stored}, answered {body.identifier}"
+        assert sources == [f"offer:{offer.identifier}"], f"stored RM Sources: {sources}"
+    finally:
+        node.manager.close()

@@ -120,6 +120,7 @@ class Receiver:
         self._locks: dict[str, threading.Lock] = {}
         self._mutex = threading.Lock()
         self._creating = threading.Lock()  # one CreateSequence at a time, from its checks to its adoption
+        self._unsure: set[str] = set()  # CreateSequence MessageIDs whose store transaction failed
         self._stale: set[str] = set()  # sequences whose last store transaction ended with an error
         self._arrivals: dict[str, list[_Arrival]] = {}  # requests waiting for their sequence's next commit
         self._next_sweep = 0.0
@@ -259,6 +260,8 @@ class Receiver:
 
     def _create_locked(self, env: Envelope, body: CreateSequence, now: float, caller: str | None) -> Answer:
         message_id = env.addressing.message_id
+        if message_id in self._unsure:
+            self._adopt_landed(message_id)
         known = self._created_by.get(message_id) if message_id else None
         if known is not None and not self._foreign(known, caller):  # a retransmitted CreateSequence
             return self._event(env, known, CreateSequenceReceived(now))
@@ -292,17 +295,42 @@ class Receiver:
         info = DestinationInfo(reply_to=offer_peer, soap=env.soap.value, wsa=(env.wsa or WsaVersion.WSA200508).value,
                                acks_to=_address(body.acks_to), create_message_id=message_id, owner=caller)
         offered = None
+        if message_id:
+            self._unsure.add(message_id)  # until the commit is known to have happened (or not)
         with self.store.local() as s:
             self.store.create_destination(s, info, machine.record)
             if accepted is not None:
                 offered = self.node.sender.add_offer_route(s, self.store, accepted, offer_peer, machine.record.version,
                                                            info.soap, info.wsa, body.batch, owner=caller)
+        self._unsure.discard(message_id)
         self._adopt(info, machine.record)
         if offered is not None:
             self.node.sender.adopt_offer(offered, SourceInfo(f"offer:{accepted}", offer_peer, info.soap, info.wsa,
                                                              owner=caller))
         self.node.invoker.ensure(identifier)
         return self._answer(env, identifier, actions)
+
+    def _adopt_landed(self, message_id: str) -> None:
+        """The store transaction of the CreateSequence ``message_id`` failed, perhaps after its COMMIT landed:
+        adopt what it stored (the sequence and its offered RM Source), so that the copy the peer sends again
+        is answered with that sequence. Otherwise it would make a second one accepting the same offer, and
+        after a restart the two RM Sources of one offered sequence, loaded from the store, would fail it
+        (the peer's acknowledgements reaching the one that sent nothing: InvalidAcknowledgement)."""
+        with self.store.local() as s:
+            landed = next(((info, record) for info, record in self.store.destinations(s)
+                           if info.create_message_id == message_id), None)
+            offer = landed[1].accepted_offer if landed is not None else None
+            source = next(((info, record) for info, record in self.store.sources(s)
+                           if offer is not None and info.route == f"offer:{offer}"), None)
+        self._unsure.discard(message_id)
+        if landed is None:
+            return
+        log.info("CreateSequence %s had been stored before its transaction failed: sequence %s adopted",
+                 message_id, landed[1].identifier)
+        self._adopt(*landed)
+        if source is not None:
+            self.node.sender.adopt_offer(source[1], source[0])
+        self.node.invoker.ensure(landed[1].identifier)
 
     def _offer_in_use(self, identifier: str) -> bool:
         return identifier in self._locks or self.node.sender.knows(identifier)
