@@ -34,6 +34,24 @@ def maria_server(tmp_path_factory):
     server.destroy()
 
 
+def _throw_away(server):
+    server.start()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture
+def own_pg(tmp_path):
+    """A PostgreSQL server of the test's own, to kill without disturbing other tests."""
+    yield from _throw_away(EmbeddedPostgres(tmp_path / "own-pg"))
+
+
+@pytest.fixture
+def own_maria(tmp_path):
+    """A MariaDB server of the test's own, to kill without disturbing other tests."""
+    yield from _throw_away(EmbeddedMariaDB(tmp_path / "own-maria"))
+
+
 def _db_name(request, tag: str) -> str:
     base = re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:40]
     return f"t{next(_counter)}_{tag}_{base}"

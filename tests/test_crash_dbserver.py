@@ -14,27 +14,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from qtp.coordinator import read_log
-from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres
 from qtp.testing.crash_workload import check_pair, drain, prepared_branches, engine, setup_database, write_config
-
-
-def _throw_away(server):
-    server.start()
-    yield server
-    server.destroy()
-
-
-@pytest.fixture
-def own_pg(tmp_path):
-    yield from _throw_away(EmbeddedPostgres(tmp_path / "own-pg"))
-
-
-@pytest.fixture
-def own_maria(tmp_path):
-    yield from _throw_away(EmbeddedMariaDB(tmp_path / "own-maria"))
 
 
 class Child:

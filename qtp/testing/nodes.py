@@ -67,6 +67,7 @@ class Pair:
     reply: bool = False
     acks_to: str = "anonymous"
     mode: str = "xa"
+    node_modes: tuple[str, str] | None = None  # the client's and the server's [node] mode (receiving); None: ``mode``
     limits: str = ""
     server_port: int = 0
     client_port: int = 0
@@ -83,7 +84,8 @@ class Pair:
 
     def write(self, folder: Path) -> tuple[Path, Path]:
         peer = self.proxy_port or self.server_port
-        client = _toml("client", self.client_app, self.client_store, self.client_port, self.mode, self.limits,
+        client_mode, server_mode = self.node_modes or (self.mode, self.mode)
+        client = _toml("client", self.client_app, self.client_store, self.client_port, client_mode, self.limits,
                        folder, f'''
 [channels.orders]
 peer = "http://127.0.0.1:{peer}/rm"
@@ -94,7 +96,7 @@ soap = "{self.soap}"
 reply = {str(self.reply).lower()}
 acks_to = "{self.acks_to}"
 {self.client_extra}''', advertised=self.back_proxy_port, listens=self.client_listens)
-        server = _toml("server", self.server_app, self.server_store, self.server_port, self.mode, self.limits,
+        server = _toml("server", self.server_app, self.server_store, self.server_port, server_mode, self.limits,
                        folder, self.server_extra)
         if self.secret is not None:
             client += _peer(node_id("server", folder), f"http://127.0.0.1:{peer}/rm", self.secret)
