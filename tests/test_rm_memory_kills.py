@@ -165,7 +165,7 @@ def test_a_create_sequence_sent_again_while_the_first_is_being_stored_makes_one_
         bodies = [a.envelope.body for a in answers]
         assert all(isinstance(b, CreateSequenceResponse) for b in bodies), bodies
         assert len({b.identifier for b in bodies}) == 1, f"two sequences for one CreateSequence: {bodies}"
-        sources = [info.route for info, _ in node.sender.snapshot()]
+        sources = [seq.info.route for seq in node.sources.all()]
         assert sources == [f"offer:{offer.identifier}"], f"RM Sources for the offered sequence: {sources}"
     finally:
         node.manager.close()

@@ -19,6 +19,7 @@ the queue growing. A lone request never waits for company. A qtp peer's batch is
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from dataclasses import replace
 from typing import Any
@@ -77,7 +78,7 @@ from qtp.wsrm.runtime._ownership import Ownership, Source
 from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock, Deliveries, Handlers, OutboundEvents, Run
 from qtp.wsrm.runtime._refusals import refusals
 from qtp.wsrm.runtime._security import Security, is_loopback
-from qtp.wsrm.runtime._sequences import Destinations, Inbound
+from qtp.wsrm.runtime._sequences import Destinations, Inbound, Outbound
 from qtp.wsrm.runtime._settings import Limits
 from qtp.wsrm.runtime._transport import Transport, TransportError, wire
 from qtp.wsrm.store import DestinationInfo, Incoming, Store
@@ -115,6 +116,8 @@ class Receiver:
         self._run = run
         self.clock = clock
         self._next_sweep = 0.0
+        self._creating = threading.Lock()  # one CreateSequence at a time, from its checks to its adoption
+        self._unsure: set[tuple[str | None, str]] = set()  # (peer, CreateSequence MessageID): its commit failed
 
     def load(self) -> None:
         with self.store.local() as s:
@@ -199,7 +202,18 @@ class Receiver:
         return fault(env, SequenceFault(FaultCode.CREATE_SEQUENCE_REFUSED, None, reason))
 
     def _create(self, env: Envelope, body: CreateSequence, now: float, caller: str | None = None) -> Answer:
+        """A CreateSequence, under ``_creating``: a copy the peer sent again while the first was being stored
+        (a slow or restarting database, a network that duplicates) then finds the first's sequence made and is
+        answered with it, instead of making a second sequence that accepts the same offer (two RM Sources for
+        one offered sequence: the peer's acknowledgements went to the one that had sent nothing, which failed
+        the sequence with InvalidAcknowledgement, and no reply reached the peer any more)."""
+        with self._creating:
+            return self._create_locked(env, body, now, caller)
+
+    def _create_locked(self, env: Envelope, body: CreateSequence, now: float, caller: str | None) -> Answer:
         message_id = env.addressing.message_id
+        if message_id and (caller, message_id) in self._unsure:
+            self._adopt_landed(caller, message_id)
         known = self.destinations.created_by(caller, message_id) if message_id else None
         if known is not None:  # a retransmitted CreateSequence
             return self._event(env, known.identifier, CreateSequenceReceived(now))
@@ -218,16 +232,40 @@ class Receiver:
         info = DestinationInfo(reply_to=offer_peer, soap=env.soap.value, wsa=(env.wsa or WsaVersion.WSA200508).value,
                                acks_to=_address(body.acks_to), create_message_id=message_id, owner=caller)
         offered = None
+        if message_id:
+            self._unsure.add((caller, message_id))  # until the commit is known to have happened (or not)
         with self.store.local() as s:
             self.store.create_destination(s, info, machine.record)
             if accepted is not None and offer_peer is not None:
                 offered = self.offers.accept(s, accepted, offer_peer, machine.record.version, info.soap, info.wsa,
                                              body.batch, owner=caller)
+        self._unsure.discard((caller, message_id or ""))
         self.destinations.add(Inbound(info, machine.record))
         if offered is not None:
             self.offers.adopt(offered)
         self.deliveries.ensure(identifier)
         return self._answer(env, identifier, actions)
+
+    def _adopt_landed(self, caller: str | None, message_id: str) -> None:
+        """The store transaction of ``caller``'s CreateSequence ``message_id`` failed, perhaps after its COMMIT
+        landed: adopt what it stored (the sequence and its offered RM Source), so that the copy the peer sends
+        again is answered with that sequence. Otherwise it would make a second one accepting the same offer,
+        and after a restart the two RM Sources of one offered sequence, loaded from the store, would fail it."""
+        with self.store.local() as s:
+            landed = next(((info, record) for info, record in self.store.destinations(s)
+                           if info.create_message_id == message_id and info.owner == caller), None)
+            offer = landed[1].accepted_offer if landed is not None else None
+            source = next(((info, record) for info, record in self.store.sources(s)
+                           if offer is not None and info.route == f"offer:{offer}"), None)
+        self._unsure.discard((caller, message_id))
+        if landed is None:
+            return
+        log.info("CreateSequence %s had been stored before its transaction failed: sequence %s adopted",
+                 message_id, landed[1].identifier)
+        self.destinations.add(Inbound(*landed))
+        if source is not None:
+            self.offers.adopt(Outbound(source[0], source[1], self.limits))
+        self.deliveries.ensure(landed[1].identifier)
 
     def _create_refusal(self, env: Envelope, body: CreateSequence, caller: str | None) -> str | None:
         """Why a new sequence from ``caller`` is refused (None: it is not)."""
