@@ -34,17 +34,6 @@ def maria_server(tmp_path_factory):
     server.destroy()
 
 
-@pytest.fixture(scope="session")
-def zygote():
-    """Runs ``python -m <module> <args>`` as forks of one interpreter that imported qtp once
-    (tests/zygote.py): ``zygote.run("qtp", "recover", ..., env=...)``."""
-    from zygote import Zygote
-
-    started = Zygote()
-    yield started
-    started.close()
-
-
 def _db_name(request, tag: str) -> str:
     base = re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:40]
     return f"t{next(_counter)}_{tag}_{base}"

@@ -25,6 +25,7 @@ from qtp.testing.coupled_nodes import accounts, accounts_schema, node_ids, write
 from qtp.testing.nodes import rows, wait_until
 
 from coupled_support import OPEN, Bank
+from zygote import qtp_command
 
 SCHEMA = Path(qtp.__file__).parent / "coupled" / "coupled.xsd"
 
@@ -326,10 +327,7 @@ def test_small_mixed_campaign_four_recipients_with_refusals_and_one_attempt_unde
 
 
 def _qtp(*args: str) -> tuple[int, str]:
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "qtp", *args], capture_output=True, text=True, timeout=120)
+    done = qtp_command(*args)
     return done.returncode, done.stdout + done.stderr
 
 

@@ -22,6 +22,8 @@ import pytest
 from qtp.testing.crash_campaign import EXPECTED, FAILPOINT_SCENARIOS, LLR_FAILPOINT_SCENARIOS, decision_point
 from qtp.testing.crash_workload import check_pair, drain, setup_database, write_config
 
+from zygote import shared
+
 PAIRS = ("pg+pg", "pg+maria", "maria+maria")
 MODES = ("log", "llr")
 SCENARIOS = [("log", point) for point in FAILPOINT_SCENARIOS] + [("llr", point) for point in LLR_FAILPOINT_SCENARIOS]
@@ -31,8 +33,7 @@ _names = itertools.count()
 class Node:
     """A pair of databases and the qtp.toml of the node that transfers between them."""
 
-    def __init__(self, pair, mode, pg_server, maria_server, tmp, zygote):
-        self.zygote = zygote
+    def __init__(self, pair, mode, pg_server, maria_server, tmp):
         servers = {"pg": pg_server, "maria": maria_server}
         self.llr = mode == "llr"
         tag = f"mx{next(_names)}_{mode}_{pair.replace('+', '_')}"
@@ -49,7 +50,7 @@ class Node:
         return {**env, "QTP_FAILPOINTS": failpoints} if failpoints else env
 
     def child(self, failpoints: str | None, transfers: int) -> tuple[int, list[str]]:
-        proc = self.zygote.run("qtp.testing.crash_child", "--config", str(self.config), "--transfers", str(transfers),
+        proc = shared().run("qtp.testing.crash_child", "--config", str(self.config), "--transfers", str(transfers),
                                env=self._env(failpoints))
         lines = proc.stdout.splitlines()
         self.started |= {line[2:] for line in lines if line.startswith("T ")}
@@ -57,7 +58,7 @@ class Node:
         return proc.returncode, lines
 
     def qtp(self, *args: str, failpoints: str | None = None):
-        return self.zygote.run("qtp", *args, "--config", str(self.config), env=self._env(failpoints))
+        return shared().run("qtp", *args, "--config", str(self.config), env=self._env(failpoints))
 
     def drain(self):
         for url in self.urls:
@@ -68,9 +69,9 @@ class Node:
 
 
 @pytest.fixture(scope="module")
-def nodes(pg_server, maria_server, tmp_path_factory, zygote):
+def nodes(pg_server, maria_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("matrix")
-    return {(pair, mode): Node(pair, mode, pg_server, maria_server, tmp, zygote) for pair in PAIRS for mode in MODES}
+    return {(pair, mode): Node(pair, mode, pg_server, maria_server, tmp) for pair in PAIRS for mode in MODES}
 
 
 def _crash(node: Node, failpoint: str) -> str | None:

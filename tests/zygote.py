@@ -1,6 +1,6 @@
 """Processes started as ``python -m <module> <args>`` without paying for the interpreter and qtp's imports each time.
 
-The zygote is a real interpreter, started once (``Zygote()``), that imports qtp and then forks one process per
+The zygote is a real interpreter, started once per test session (``shared()``), that imports qtp and then forks one process per
 ``run()``: each run is a fresh process with its own environment, failpoints (``QTP_FAILPOINTS`` configured in
 the fork, as the module would read it at import), connections, random state and exit status, and a SIGKILL
 (a failpoint's ``crash``) ends only it. The zygote itself opens no connection and starts no thread, so a fork
@@ -10,6 +10,7 @@ inherits nothing but imported modules. Its protocol: one JSON request per line o
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -68,6 +69,22 @@ class Zygote:
         for name in ("out", "err"):
             (self.folder / name).unlink(missing_ok=True)
         self.folder.rmdir()
+
+
+_shared: list[Zygote] = []
+
+
+def shared() -> Zygote:
+    """The test session's zygote, started at the first call and closed when the session's interpreter exits."""
+    if not _shared:
+        _shared.append(Zygote())
+        atexit.register(_shared[0].close)
+    return _shared[0]
+
+
+def qtp_command(*args: object, env: dict[str, str] | None = None, timeout: float = 120.0) -> Run:
+    """``python -m qtp args`` (e.g. ``qtp_command("status", "--json", "--config", path)``), forked from the shared zygote."""
+    return shared().run("qtp", *map(str, args), env=env, timeout=timeout)
 
 
 # ------------------------------------------------------------------------------------------ the zygote side
