@@ -539,7 +539,9 @@ def test_a_handler_waits_for_a_lock_no_longer_than_coupled_lock_timeout(pg_db, t
     try:
         thread.start()
         wait_until(lambda: len(rows(urls["b"], "SELECT id FROM qtp_coupled_in")) == 1, 10, "acc-1 arrived at b")
-        time.sleep(1.5)  # the one worker thread is at acc-1's insert, behind the lock
+        wait_until(lambda: rows(urls["b"], "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                           "AND wait_event_type = 'Lock'")[0][0] >= 1, 10,
+                   "the one worker thread at acc-1's insert, behind the lock")
         started = time.monotonic()
         with a.node.manager.transaction() as tx:
             a.open_here(tx, "acc-2")
