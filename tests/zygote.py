@@ -1,11 +1,11 @@
 """Processes started as ``python -m <module> <args>`` without paying for the interpreter and qtp's imports each time.
 
-The zygote is a real interpreter, started once per test session (``shared()``), that imports qtp and then forks one process per
-``run()``: each run is a fresh process with its own environment, failpoints (``QTP_FAILPOINTS`` configured in
-the fork, as the module would read it at import), connections, random state and exit status, and a SIGKILL
-(a failpoint's ``crash``) ends only it. The zygote itself opens no connection and starts no thread, so a fork
-inherits nothing but imported modules. Its protocol: one JSON request per line on its input, one JSON answer
-(``{"code": exit status}``) per line on its output.
+The zygote is a real interpreter, started once per test session (``shared()``), that imports qtp and then
+forks one process per ``run()``: each run is a fresh process with its own environment, failpoints
+(``QTP_FAILPOINTS`` configured in the fork, as the module would read it at import), connections, random state
+and exit status, and a SIGKILL (a failpoint's ``crash``) ends only it. The zygote itself opens no connection
+and starts no thread, so a fork inherits nothing but imported modules. Its protocol: one JSON request per
+line on its input, one JSON answer (``{"code": exit status}``) per line on its output.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -39,13 +40,15 @@ class Run:
 
 
 class Zygote:
-    """The client side: ``run(module, *args, env={...}, timeout=120) -> Run``; ``close()`` ends the zygote."""
+    """The client side: ``run(module, *args, env={...}, timeout=120) -> Run``, one run at a time (callers from
+    several threads wait their turn); ``close()`` ends the zygote."""
 
     def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "QTP_FAILPOINTS"}
         self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, text=True, bufsize=1)
         self.folder = Path(tempfile.mkdtemp(prefix="qtp-zygote-"))
+        self._turn = threading.Lock()
 
     def run(self, module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120.0) -> Run:
         """Run ``python -m module args`` as a fork of the zygote, with ``env`` (the test's environment
@@ -55,12 +58,13 @@ class Zygote:
         request = {"module": module, "argv": list(args), "env": base if env is None else env,
                    "out": str(out), "err": str(err), "timeout": timeout}
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        answer = self.proc.stdout.readline()
-        if not answer:
-            raise RuntimeError(f"the zygote ended (exit {self.proc.poll()})")
-        code = json.loads(answer)["code"]
-        return Run(code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+        with self._turn:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            answer = self.proc.stdout.readline()
+            if not answer:
+                raise RuntimeError(f"the zygote ended (exit {self.proc.poll()})")
+            code = json.loads(answer)["code"]
+            return Run(code, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -83,7 +87,7 @@ def shared() -> Zygote:
 
 
 def qtp_command(*args: object, env: dict[str, str] | None = None, timeout: float = 120.0) -> Run:
-    """``python -m qtp args`` (e.g. ``qtp_command("status", "--json", "--config", path)``), forked from the shared zygote."""
+    """``python -m qtp args`` (``qtp_command("status", "--json", "--config", path)``), a fork of the shared zygote."""
     return shared().run("qtp", *map(str, args), env=env, timeout=timeout)
 
 
