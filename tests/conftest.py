@@ -9,7 +9,10 @@ start, the tests that need it fail with the server's log.
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import signal
+import time
 
 import pytest
 
@@ -18,11 +21,25 @@ from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres
 _counter = itertools.count()
 
 
+def _gone(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+
+
 @pytest.fixture(scope="session")
 def pg_server(tmp_path_factory):
     server = EmbeddedPostgres(tmp_path_factory.mktemp("pg"))
     server.start()
     yield server
+    pid = server.postmaster_pid()
+    if pid is not None:  # immediate shutdown: no checkpoint of data that is deleted next
+        os.kill(pid, signal.SIGQUIT)
+        _gone(pid)
     server.destroy()
 
 
@@ -31,6 +48,7 @@ def maria_server(tmp_path_factory):
     server = EmbeddedMariaDB(tmp_path_factory.mktemp("mariadb"))
     server.start()
     yield server
+    server.kill()  # no flush of the buffer pool for data that is deleted next
     server.destroy()
 
 

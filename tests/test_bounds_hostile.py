@@ -7,8 +7,6 @@ sending (with replies) through each attack and is reconciled exactly once at the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import uuid
 
@@ -18,6 +16,7 @@ from qtp.testing.nodes import Pair, request, rows, wait_until
 from qtp.wsrm.codec import mc_anonymous
 from qtp.wsrm.protocol import CreateSequence, CreateSequenceResponse, Offer, Sequence, SequenceFault, TerminateSequence
 from test_security_hostile import ACTION, ANON, _answer, _finish, _post, _url, hostile, trap  # noqa: F401
+from zygote import qtp_command
 
 MALLORY_ORDERS = 7_000_000  # mallory's order numbers start above this: out of the honest tally
 
@@ -63,8 +62,7 @@ def _commits(pair: Pair) -> int:
 
 def _queued_in_status(config, routes: set[str]) -> int:
     """The messages ``qtp status`` shows an operator as QUEUED on ``routes``."""
-    done = subprocess.run([sys.executable, "-m", "qtp", "status", "--json", "--config", str(config)],
-                          capture_output=True, text=True, timeout=120)
+    done = qtp_command("status", "--json", "--config", config)
     assert done.returncode == 0, done.stdout + done.stderr
     found, todo = 0, [json.loads(done.stdout)]
     while todo:

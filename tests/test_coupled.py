@@ -25,6 +25,7 @@ from qtp.testing.coupled_nodes import accounts, accounts_schema, node_ids, write
 from qtp.testing.nodes import rows, wait_until
 
 from coupled_support import OPEN, Bank
+from zygote import qtp_command
 
 SCHEMA = Path(qtp.__file__).parent / "coupled" / "coupled.xsd"
 
@@ -326,10 +327,7 @@ def test_small_mixed_campaign_four_recipients_with_refusals_and_one_attempt_unde
 
 
 def _qtp(*args: str) -> tuple[int, str]:
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "qtp", *args], capture_output=True, text=True, timeout=120)
+    done = qtp_command(*args)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -543,7 +541,9 @@ def test_a_handler_waits_for_a_lock_no_longer_than_coupled_lock_timeout(pg_db, t
     try:
         thread.start()
         wait_until(lambda: len(rows(urls["b"], "SELECT id FROM qtp_coupled_in")) == 1, 10, "acc-1 arrived at b")
-        time.sleep(1.5)  # the one worker thread is at acc-1's insert, behind the lock
+        wait_until(lambda: rows(urls["b"], "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                           "AND wait_event_type = 'Lock'")[0][0] >= 1, 10,
+                   "the one worker thread at acc-1's insert, behind the lock")
         started = time.monotonic()
         with a.node.manager.transaction() as tx:
             a.open_here(tx, "acc-2")

@@ -17,6 +17,8 @@ import time
 from qtp.coordinator import read_log
 from qtp.testing.crash_workload import check_pair, drain, prepared_branches, engine, setup_database, write_config
 
+from zygote import qtp_command
+
 
 class Child:
     """The application: transfers with a pause after the decision of its second transfer."""
@@ -72,8 +74,7 @@ def test_postgres_killed_during_phase_two_then_qtp_recover(own_pg, maria_server,
     with pg.connect() as conn:
         assert len(prepared_branches(conn, url_a, None)) == 1
     pg.dispose()
-    proc = subprocess.run([sys.executable, "-m", "qtp", "recover", "--config", str(config)],
-                          capture_output=True, text=True, timeout=120)
+    proc = qtp_command("recover", "--config", config)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "committed" in proc.stdout
 
@@ -106,6 +107,5 @@ def test_mariadb_killed_during_phase_two_then_the_live_manager_finishes(pg_serve
     with maria.connect() as conn:
         assert prepared_branches(conn, url_b, None) == []  # XA RECOVER on the whole server
     maria.dispose()
-    proc = subprocess.run([sys.executable, "-m", "qtp", "recover", "--config", str(config)],
-                          capture_output=True, text=True, timeout=120)
+    proc = qtp_command("recover", "--config", config)
     assert proc.returncode == 0 and "no in-doubt branches and no open decisions" in proc.stdout, proc.stdout

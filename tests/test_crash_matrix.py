@@ -2,8 +2,9 @@
 once with the file decision log and once with Logging Last Resource (its own failpoints around the last
 branch's COMMIT).
 
-A child process (a real interpreter, failpoints from ``QTP_FAILPOINTS``) runs transfers and dies at the
-failpoint (``crash`` = SIGKILL to itself). Recovery then runs through the real ``qtp recover`` command, or
+A child process (``python -m qtp.testing.crash_child``, failpoints from ``QTP_FAILPOINTS``; forked from the
+session's zygote, an interpreter that imported qtp once) runs transfers and dies at the failpoint (``crash`` =
+SIGKILL to itself). Recovery then runs through the real ``qtp recover`` command (a fork of the zygote too), or
 automatically when the next manager starts. Afterwards: money is conserved, no transfer is half-applied,
 every acknowledged transfer is there, the crashed transfer went the way its failpoint forces (rolled back
 before the decision, committed after it), nothing of the node is prepared, and every row can be updated at
@@ -15,13 +16,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from qtp.testing.crash_campaign import EXPECTED, FAILPOINT_SCENARIOS, LLR_FAILPOINT_SCENARIOS, decision_point
 from qtp.testing.crash_workload import check_pair, drain, setup_database, write_config
+
+from zygote import shared
 
 PAIRS = ("pg+pg", "pg+maria", "maria+maria")
 MODES = ("log", "llr")
@@ -44,25 +45,20 @@ class Node:
         self.done: set[str] = set()
         self.started: set[str] = set()
 
+    def _env(self, failpoints: str | None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "QTP_FAILPOINTS"}
+        return {**env, "QTP_FAILPOINTS": failpoints} if failpoints else env
+
     def child(self, failpoints: str | None, transfers: int) -> tuple[int, list[str]]:
-        env = dict(os.environ)
-        env.pop("QTP_FAILPOINTS", None)
-        if failpoints:
-            env["QTP_FAILPOINTS"] = failpoints
-        proc = subprocess.run([sys.executable, "-m", "qtp.testing.crash_child", "--config", str(self.config),
-                               "--transfers", str(transfers)], capture_output=True, text=True, env=env, timeout=120)
+        proc = shared().run("qtp.testing.crash_child", "--config", str(self.config), "--transfers", str(transfers),
+                               env=self._env(failpoints))
         lines = proc.stdout.splitlines()
         self.started |= {line[2:] for line in lines if line.startswith("T ")}
         self.done |= {line[2:] for line in lines if line.startswith("D ")}
         return proc.returncode, lines
 
-    def qtp(self, *args: str, failpoints: str | None = None) -> subprocess.CompletedProcess:
-        env = dict(os.environ)
-        env.pop("QTP_FAILPOINTS", None)
-        if failpoints:
-            env["QTP_FAILPOINTS"] = failpoints
-        return subprocess.run([sys.executable, "-m", "qtp", *args, "--config", str(self.config)],
-                              capture_output=True, text=True, env=env, timeout=120)
+    def qtp(self, *args: str, failpoints: str | None = None):
+        return shared().run("qtp", *args, "--config", str(self.config), env=self._env(failpoints))
 
     def drain(self):
         for url in self.urls:

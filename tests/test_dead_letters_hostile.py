@@ -6,8 +6,6 @@ cap of 10 left the honest client's next refused order queued for ever, and every
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from qtp.testing.nodes import check_exactly_once, rows, wait_until
 from qtp.wsrm.protocol import CreateSequence, CreateSequenceResponse, Sequence
@@ -15,6 +13,7 @@ from qtp.wsrm.codec import decode
 from qtp.testing.nodes import request
 
 from test_security_hostile import ACTION, ANON, _applied, _post, _url, hostile, trap  # noqa: F401 (fixtures)
+from zygote import qtp_command
 
 FAILS = 30  # the honest client's order that the server's handler refuses
 
@@ -53,6 +52,6 @@ def test_one_peers_dead_letters_do_not_hold_another_peers_sequence(hostile):
 
 
 def _qtp(*args) -> str:
-    done = subprocess.run([sys.executable, "-m", "qtp", *map(str, args)], capture_output=True, text=True, timeout=60)
+    done = qtp_command(*args)
     assert done.returncode in (0, 1), done.stderr
     return done.stdout

@@ -18,6 +18,8 @@ import requests
 from qtp.errors import ConfigurationError
 from qtp.testing.lossy_proxy import COUNTERS, DEFAULT_MAX_BODY, LossyProxy
 
+from zygote import shared
+
 SOAP = {"Content-Type": "text/xml; charset=utf-8", "SOAPAction": '"urn:qtp:test"'}
 
 
@@ -260,5 +262,5 @@ def test_the_command_line_prints_its_url_and_forwards(echo: Echo) -> None:
         proc.terminate()
         assert proc.wait(30) == 0
     assert echo.bodies() == [b"<e/>", b"<e/>"]
-    refused = subprocess.run([*command[:5], "--host", "0.0.0.0"], capture_output=True, text=True, timeout=60)
+    refused = shared().run(*command[2:5], "--host", "0.0.0.0")
     assert refused.returncode == 2 and "127.0.0.1 only" in refused.stderr

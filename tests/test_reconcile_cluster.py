@@ -37,7 +37,7 @@ class Daemon:
                 return
             if self.proc.poll() is not None:
                 break
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise AssertionError(f"the Spark {self.name} did not log {text!r}:\n{self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:

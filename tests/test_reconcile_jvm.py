@@ -109,7 +109,7 @@ def test_a_real_driver_jvm_records_the_archive_at_exit_and_the_next_one_maps_it(
     folder = tmp_path / "spark-class-archive"
     deadline = time.time() + 240  # the JVM writes the archive after the Python process has gone
     while time.time() < deadline and not any(_jvm._finished(p) for p in folder.glob("*.part")):
-        time.sleep(1)
+        time.sleep(0.1)
     loaded = tmp_path / "class-load.log"
     second = _child({**env, "EXTRA_JAVA": f"-Xlog:class+load=info:file={loaded}"})
     assert second["class_archive"] == "used"

@@ -10,8 +10,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -27,6 +25,8 @@ from qtp.recovery import QUARANTINE_FILE, read_quarantine, recover_node
 from qtp.recovery._core import HEURISTIC, LOG_MISSING, NOT_CONFIGURED, QUARANTINED
 from qtp.testing.crash_workload import check_pair, drain, setup_database, write_config
 from qtp.xa import MemoryResource, MemoryDatabase, Xid
+
+from zygote import qtp_command, shared
 
 _ids = itertools.count()
 
@@ -168,8 +168,7 @@ def test_unreachable_resource_fails_the_pass_and_names_it(tmp_path):
     node.prepare(gtrid, "x", "k", 1)
     node.decide(gtrid, ["x", "z"])
 
-    proc = subprocess.run([sys.executable, "-m", "qtp", "recover", "--config", str(node.config_path)],
-                          capture_output=True, text=True, timeout=60)
+    proc = qtp_command("recover", "--config", node.config_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "resource 'z' is unreachable" in proc.stdout and "start it or fix its URL" in proc.stdout
     assert read_log(node.log_dir).open, "the decision is kept until z can be checked"
@@ -300,21 +299,17 @@ def test_qtp_recover_refuses_beside_a_live_manager(pg_db, tmp_path):
     config = _write_config(tmp_path / "live.toml", "live-node", tmp_path / "logs", {"app": pg_db("live")})
     manager = TransactionManager.from_config(config)
     try:
-        proc = subprocess.run([sys.executable, "-m", "qtp", "recover", "--config", str(config)],
-                              capture_output=True, text=True, timeout=60)
+        proc = qtp_command("recover", "--config", config)
         assert proc.returncode == 3, proc.stdout + proc.stderr
         assert f"pid {os.getpid()}" in proc.stderr and "qtp status" in proc.stderr
-        as_json = subprocess.run([sys.executable, "-m", "qtp", "recover", "--config", str(config), "--json"],
-                                 capture_output=True, text=True, timeout=60)
+        as_json = qtp_command("recover", "--config", config, "--json")
         assert as_json.returncode == 3
         assert json.loads(as_json.stdout)["refused"].startswith("node 'live-node' is running")
-        status = subprocess.run([sys.executable, "-m", "qtp", "status", "--config", str(config), "--json"],
-                                capture_output=True, text=True, timeout=60)
+        status = qtp_command("status", "--config", config, "--json")
         assert json.loads(status.stdout)["log_locked_by"] == str(os.getpid())
     finally:
         manager.close()
-    proc = subprocess.run([sys.executable, "-m", "qtp", "recover", "--config", str(config)],
-                          capture_output=True, text=True, timeout=60)
+    proc = qtp_command("recover", "--config", config)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -324,33 +319,28 @@ def test_status_shows_in_doubt_branches_with_their_age_and_warns_about_old_ones(
         setup_database(url)
     config = write_config(tmp_path / "st.toml", "st-node", tmp_path / "logs", *urls)
     config.write_text(config.read_text().replace("interval = 0", "interval = 0\nwarn_prepared_age = 0"))
-    crash = subprocess.run([sys.executable, "-m", "qtp.testing.crash_child", "--config", str(config)],
-                           env={**os.environ, "QTP_FAILPOINTS": "after_decision_forced=crash"},
-                           capture_output=True, text=True, timeout=60)
+    crash = shared().run("qtp.testing.crash_child", "--config", str(config),
+                         env={**os.environ, "QTP_FAILPOINTS": "after_decision_forced=crash"})
     assert crash.returncode == -9
     for url in urls:
         drain(url)
 
-    proc = subprocess.run([sys.executable, "-m", "qtp", "status", "--config", str(config)],
-                          capture_output=True, text=True, timeout=60)
+    proc = qtp_command("status", "--config", config)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "1 open decision(s)" in proc.stdout and "VACUUM" in proc.stdout
     assert proc.stdout.count("): 1 in-doubt branch(es)") == 2
-    data = json.loads(subprocess.run([sys.executable, "-m", "qtp", "status", "--config", str(config), "--json"],
-                                     capture_output=True, text=True, timeout=60).stdout)
+    data = json.loads(qtp_command("status", "--config", config, "--json").stdout)
     aged = data["resources"]["a"]["in_doubt"][0]
     assert aged["decision"] == "commit" and aged["age_s"] is not None and aged["age_s"] >= 0
     assert data["resources"]["b"]["in_doubt"][0]["age_s"] is None  # MariaDB does not record it
     assert data["log_present"] and data["open_decisions"] == 1 and data["log_locked_by"] is None
 
-    dry = subprocess.run([sys.executable, "-m", "qtp", "recover", "--config", str(config), "--dry-run", "--json"],
-                         capture_output=True, text=True, timeout=60)
+    dry = qtp_command("recover", "--config", config, "--dry-run", "--json")
     assert [row["result"] for row in json.loads(dry.stdout)["rows"]] == ["would commit", "would commit"]
     assert len(check_pair(*urls, "st-node", update=False).prepared) == 2, "a dry run changes nothing"
     report = recover_node(load_config(config))
     assert report.ok and report.committed == 2
-    assert subprocess.run([sys.executable, "-m", "qtp", "status", "--config", str(config)],
-                          capture_output=True, text=True, timeout=60).returncode == 0
+    assert qtp_command("status", "--config", config).returncode == 0
     assert check_pair(*urls, "st-node").violations == []
 
 

@@ -14,14 +14,14 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 
 import pytest
 
 from qtp.coordinator import read_log
 from qtp.recovery import QUARANTINE_FILE
 from qtp.testing.crash_workload import check_pair, drain, setup_database, write_config
+
+from zygote import qtp_command, shared
 
 _n = itertools.count()
 
@@ -49,13 +49,12 @@ class CrashedNode:
         env = {k: v for k, v in os.environ.items() if k != "QTP_FAILPOINTS"}
         if failpoints:
             env["QTP_FAILPOINTS"] = failpoints
-        proc = subprocess.run([sys.executable, "-m", "qtp.testing.crash_child", "--config", str(self.config),
-                               "--transfers", str(transfers)], capture_output=True, text=True, env=env, timeout=120)
+        proc = shared().run("qtp.testing.crash_child", "--config", str(self.config), "--transfers", str(transfers),
+                            env=env)
         return proc.returncode, proc.stdout.splitlines() + proc.stderr.splitlines()
 
-    def qtp(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "qtp", *args, "--config", str(self.config)],
-                              capture_output=True, text=True, timeout=120)
+    def qtp(self, *args: str):
+        return qtp_command(*args, "--config", self.config)
 
     def prepared(self) -> list[str]:
         return check_pair(*self.urls, self.node_id, update=False).prepared

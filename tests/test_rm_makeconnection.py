@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import tomllib
 import uuid
 
@@ -42,6 +40,8 @@ from qtp.wsrm.codec import (
     mc_id,
 )
 from qtp.wsrm.protocol import CreateSequence, CreateSequenceResponse, Sequence
+
+from zygote import qtp_command
 
 SECRET = "makeconnection-pair-secret-0123456789ab"
 
@@ -107,8 +107,7 @@ def test_replies_wait_while_the_client_is_down_and_are_fetched_when_it_returns(p
     if rows(pair.server_app, "SELECT COUNT(*) FROM applied")[0][0] > _replies(pair):  # replies owed: held
         wait_until(lambda: (counter(metrics, "qtp_polling_client_messages") or 0) > 0, 15,
                    "the server holding replies for the client that is down")
-        done = subprocess.run([sys.executable, "-m", "qtp", "status", "--json", "--config", str(server.config)],
-                              capture_output=True, text=True, timeout=60)
+        done = qtp_command("status", "--json", "--config", server.config)
         (polled,) = json.loads(done.stdout)["messaging"]["polling_clients"]
         assert polled["client"].startswith("urn:qtp:node:client-") and polled["waiting"] > 0
     client.env["QTP_TEST_SEND"] = "0"

@@ -9,12 +9,12 @@ was rolled back, each sequence applied in order, exactly one reply per order.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from qtp.testing.nodes import NodeProcess, Pair, check_exactly_once, client_schema, rows, server_schema, wait_until
+
+from zygote import qtp_command
 
 COMBINATIONS = [
     # client app, server app, WS-RM, SOAP, request-reply, stores on the other database (2PC at both ends),
@@ -131,7 +131,7 @@ def test_a_failing_handler_is_retried_then_dead_lettered_with_a_fault_back(reque
 
 
 def _qtp(*args) -> str:
-    done = subprocess.run([sys.executable, "-m", "qtp", *map(str, args)], capture_output=True, text=True, timeout=60)
+    done = qtp_command(*args)
     assert done.returncode in (0, 1), done.stderr
     return done.stdout
 

@@ -1,0 +1,157 @@
+"""Processes started as ``python -m <module> <args>`` without paying for the interpreter and qtp's imports each time.
+
+The zygote is a real interpreter, started once per test session (``shared()``), that imports qtp and then
+forks one process per ``run()``: each run is a fresh process with its own environment, failpoints
+(``QTP_FAILPOINTS`` configured in the fork, as the module would read it at import), connections, random state
+and exit status, and a SIGKILL (a failpoint's ``crash``) ends only it. The zygote itself opens no connection
+and starts no thread, so a fork inherits nothing but imported modules. Its protocol: one JSON request per
+line on its input, one JSON answer (``{"code": exit status}``) per line on its output.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import random
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+PRELOAD = ("qtp", "qtp.cli", "qtp.testing.crash_child", "qtp.testing.crash_workload", "psycopg2", "pymysql",
+           "sqlalchemy.dialects.postgresql.psycopg2", "sqlalchemy.dialects.mysql.pymysql")
+
+
+@dataclass
+class Run:
+    """What ``subprocess.run(..., capture_output=True, text=True)`` would have returned."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class Zygote:
+    """The client side: ``run(module, *args, env={...}, timeout=120) -> Run``, one run at a time (callers from
+    several threads wait their turn); ``close()`` ends the zygote."""
+
+    def __init__(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "QTP_FAILPOINTS"}
+        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, text=True, bufsize=1)
+        self.folder = Path(tempfile.mkdtemp(prefix="qtp-zygote-"))
+        self._turn = threading.Lock()
+
+    def run(self, module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120.0) -> Run:
+        """Run ``python -m module args`` as a fork of the zygote, with ``env`` (the test's environment
+        without ``QTP_FAILPOINTS`` when not given) and a SIGKILL after ``timeout`` seconds."""
+        out, err = self.folder / "out", self.folder / "err"
+        base = {k: v for k, v in os.environ.items() if k != "QTP_FAILPOINTS"}
+        request = {"module": module, "argv": list(args), "env": base if env is None else env,
+                   "out": str(out), "err": str(err), "timeout": timeout}
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with self._turn:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            answer = self.proc.stdout.readline()
+            if not answer:
+                raise RuntimeError(f"the zygote ended (exit {self.proc.poll()})")
+            code = json.loads(answer)["code"]
+            return Run(code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(30)
+        for name in ("out", "err"):
+            (self.folder / name).unlink(missing_ok=True)
+        self.folder.rmdir()
+
+
+_shared: list[Zygote] = []
+
+
+def shared() -> Zygote:
+    """The test session's zygote, started at the first call and closed when the session's interpreter exits."""
+    if not _shared:
+        _shared.append(Zygote())
+        atexit.register(_shared[0].close)
+    return _shared[0]
+
+
+def qtp_command(*args: object, env: dict[str, str] | None = None, timeout: float = 120.0) -> Run:
+    """``python -m qtp args`` (``qtp_command("status", "--json", "--config", path)``), a fork of the shared zygote."""
+    return shared().run("qtp", *map(str, args), env=env, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------ the zygote side
+
+def _child(request: dict) -> None:
+    """In the fork: become ``python -m module argv`` with the request's environment; never returns."""
+    code = 1
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["out"]), (2, request["err"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        random.seed()
+        from qtp.coordinator import failpoints
+
+        failpoints.configure(os.environ.get("QTP_FAILPOINTS") or "")
+        sys.argv = [request["module"], *request["argv"]]
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            if exc.code is None or isinstance(exc.code, int):
+                code = exc.code or 0
+            else:
+                print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would, on stderr with exit 1
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+        os._exit(code)
+
+
+def _wait(pid: int, timeout: float) -> int:
+    """The exit status of ``pid``; SIGKILLed after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        select.select([], [], [], 0.005)
+
+
+def serve() -> None:
+    for module in PRELOAD:
+        __import__(module)
+    sys.modules["qtp.cli"].build_parser()  # imports every command's module
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        print(json.dumps({"code": _wait(pid, request["timeout"])}), flush=True)
+
+
+if __name__ == "__main__":
+    serve()
