@@ -26,6 +26,9 @@ ACTION = "urn:test:do"
 SEQ = "urn:uuid:seq-1"
 
 
+OFFERED = "urn:uuid:offered-by-us"
+
+
 class Refused(Exception):
     """What a handler raises to refuse a message (not transient: counts as an attempt)."""
 
@@ -244,3 +247,22 @@ def test_a_message_no_handler_takes_becomes_a_dead_letter_at_once() -> None:
     with rig.store.local() as s:
         assert "no handler is registered for action 'urn:test:gone'" in rig.store.dead_letters(s)[0].error
     assert rig.applied == [(SEQ, 2)]  # the sequence goes on
+
+
+def test_a_reply_with_no_reply_handler_waits_for_one_and_is_never_a_dead_letter() -> None:
+    """The outside attack (F2): a reply on a channel without a reply handler became a dead letter, and `qtp
+    dead-letters retry` sent it back as a request (no channel any more), so no reply handler could ever take
+    it. A reply now waits, stored, until a node with the channel's reply handler applies it."""
+    rig = build(Limits(max_attempts=2))
+    rig.destinations.add(Inbound(DestinationInfo(channel="orders"), DestinationRecord(
+        OFFERED, RMVersion.WSRM11, state=DestinationState.ACTIVE)))
+    rig.invoker.ensure(OFFERED)
+    rig.arrive(1, identifier=OFFERED, action=ACTION + "Response")
+    for _ in range(5):
+        rig.drain()
+        rig.clock.advance(rig.invoker.limits.retry_backoff_max + 1)
+    assert rig.dead_letters() == [] and [m.number for m in rig.waiting(OFFERED)] == [1]
+    rig.handlers.replies["orders"] = rig.record
+    rig.clock.advance(rig.invoker.limits.retry_backoff_max + 1)
+    rig.drain()
+    assert rig.applied == [(OFFERED, 1)] and rig.waiting(OFFERED) == []

@@ -429,13 +429,18 @@ def test_after_a_commit_of_unknown_outcome_the_next_request_reloads_and_the_invo
 # ---------------------------------------------------------------------------------------------- refusals
 
 
-def test_a_message_no_handler_takes_is_refused_before_it_is_stored() -> None:
+def test_a_message_no_handler_takes_is_stored_and_acknowledged_so_the_sequence_goes_on() -> None:
+    """The outside attack (F1): refused before it was stored, a message with an unknown action left a gap that
+    nothing fills (the sender retransmits it for ever), and every later message of the sequence, stored or not,
+    waited behind it: one typo blocked the channel for good. It is stored and acknowledged; the invoker makes
+    it a dead letter (with a fault for the client when it offered a sequence for replies), and the messages
+    after it are applied."""
     rig = build()
     identifier = rig.create()
     answer = rig.receiver.handle(message(identifier, 1, action="urn:test:unknown"))
-    body = fault_of(answer)
-    assert isinstance(body, SoapFault) and body.subcode == "wsa:ActionNotSupported"
-    assert rig.store.numbers(identifier) == [] and rig.store.record(identifier).received == ()
+    assert acked(answer, identifier) == ((1, 1),)
+    assert acked(rig.receiver.handle(message(identifier, 2)), identifier) == ((1, 2),)
+    assert rig.store.numbers(identifier) == [1, 2] and sorted(rig.invoker.told[identifier]) == [1, 2]
 
 
 def test_a_message_too_far_above_the_last_in_order_is_refused_before_it_is_stored() -> None:

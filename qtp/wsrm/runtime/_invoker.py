@@ -54,6 +54,7 @@ from qtp.wsrm.protocol import (
 from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.runtime._ids import new_message_id
 from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock, Handlers
+from qtp.wsrm.runtime._refusals import refusals
 from qtp.wsrm.runtime._sequences import Destinations
 from qtp.wsrm.runtime._settings import Limits
 from qtp.wsrm.runtime._stores import Enlisted
@@ -309,10 +310,8 @@ class Invoker:
             return
         info = self.destinations.info(identifier)
         handler = self.handlers.for_message(message, info)
-        if handler is None:  # stored under another set of handlers (before a restart), or a reply without one
-            self._failed(message, MessageRefusedError(f"no handler is registered for action {message.action!r}"
-                                                      + (" (replies of channel " + info.channel + ")"
-                                                         if info is not None and info.channel else "")))
+        if handler is None:
+            self._no_handler(message, info, now)
             return
         following = self._batchable(message, found[1:], handler, info, now)
         if following:
@@ -333,6 +332,17 @@ class Invoker:
             self._abort(identifier, number, at=self.clock.time() + self.limits.retry_backoff_max)
         except Exception as exc:
             self._failed(message, exc)
+
+    def _no_handler(self, message: Incoming, info: Any, now: float) -> None:
+        """A request no handler takes is refused (a dead letter at once, with a fault for a client that offered
+        a sequence for replies): its sequence goes on. A reply waits, stored, for the reply handler of its
+        channel (registered before a later start): a dead letter could not be given back to it."""
+        if info is not None and info.channel is not None:
+            refusals.warn(log, "no_reply_handler", "replies of channel %s wait: no reply handler is registered "
+                          "(@node.reply_handler(%r) before node.start())", info.channel, info.channel)
+            self._abort(message.identifier, message.number, at=now + self.limits.retry_backoff_max)
+            return
+        self._failed(message, MessageRefusedError(f"no handler is registered for action {message.action!r}"))
 
     def _cached(self, identifier: str, number: int, limit: int) -> list[Incoming]:
         """The consecutive messages from ``number`` on that are in memory (empty when ``number`` is not)."""

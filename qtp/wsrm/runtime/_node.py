@@ -294,8 +294,8 @@ class Node:
             self.settings.security.require_metrics_token(self.settings.listen_host())
         for name, channel in self.channels.items():
             if channel.reply and name not in self._table.replies:
-                log.warning("channel %r is request-reply but no reply handler is registered: its replies become "
-                            "dead letters (register one with @node.reply_handler(%r) before start)", name, name)
+                log.warning("channel %r is request-reply but no reply handler is registered: its replies wait, "
+                            "stored (register one with @node.reply_handler(%r) before start)", name, name)
         self.create_tables()
         self.receiver.load()
         self.sender.load()

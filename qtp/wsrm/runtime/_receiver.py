@@ -354,18 +354,11 @@ class Receiver:
         return arrival.answer
 
     def _admit(self, seq: Inbound, envs: list[Envelope], caller: str | None) -> Answer | None:
-        """Refuse, before anything is stored, what no handler takes and what breaks the peer's quotas."""
-        info, record = seq.info, seq.machine.record
-        if info.channel is None and seq.machine.state is D.ACTIVE:  # (replies go to the reply handler)
-            for env in envs:
-                action = env.addressing.action or ""
-                if not isinstance(env.body, SoapFault) and not self.handlers.takes(action) and \
-                        not (env.rm is RMVersion.WSRM10 and env.sequence.last_message and not env.payload):  # type: ignore[union-attr]
-                    self.metrics.refused.labels(reason="unknown_action").inc()
-                    refusals.warn(log, "unknown_action", "refused a message with action %r on %s: no handler "
-                                  "takes it", action[:200], seq.identifier)
-                    return fault(env, SoapFault("Sender", "wsa:ActionNotSupported",
-                                                f"no handler for action {action[:200]}"))
+        """Refuse, before anything is stored, what breaks the peer's quotas. (A message whose action no
+        handler takes is not refused: refused, it would leave a gap nothing fills and hold every later message
+        of its sequence; stored, the invoker makes it a dead letter, with a fault for the client.)"""
+        record = seq.machine.record
+        info = seq.info
         limits = self.limits
         in_order = _in_order(record.received)
         too_far = next((e for e in envs if e.sequence.number > in_order + limits.max_gap), None)  # type: ignore[union-attr]
