@@ -210,13 +210,6 @@ class Node:
                                      "every handler first, then start the node (node.start(), `with node:`, or "
                                      "`qtp serve --app module:node`, which starts it after importing the module)")
 
-    def handler_for(self, message: Message, info: DestinationInfo | None) -> Handler | None:
-        return self._table.for_message(message, info)
-
-    def routes(self) -> list[str]:
-        """Every route of the node's channels (one per lane)."""
-        return [route for channel in self.channels.values() for route in channel.routes()]
-
     def check_size(self, payload: bytes) -> None:
         """ConfigurationError when ``payload`` would not fit in a request to a peer ([limits] max_request_bytes,
         less room for the envelope): refused when it is sent, rather than answered 413 by the peer for ever."""

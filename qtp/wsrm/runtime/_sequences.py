@@ -183,7 +183,7 @@ class Sources(_Registry[Outbound]):
         super().__init__()
         self._keys: dict[str, str] = {}  # identifier -> key, once the peer gave (or we offered) one
         self._current: dict[str, str] = {}
-        self._offer_routes: dict[str, SourceInfo] = {}
+        self._offer_routes: set[str] = set()
 
     def add(self, seq: Outbound, current: bool = False) -> Outbound:
         """Register ``seq`` (replacing a sequence with its key); ``current``: it takes its route's new messages."""
@@ -194,7 +194,7 @@ class Sources(_Registry[Outbound]):
             if current:
                 self._current[seq.info.route] = seq.key
             if seq.offered:
-                self._offer_routes[seq.info.route] = seq.info
+                self._offer_routes.add(seq.info.route)
         return seq
 
     def identified(self, seq: Outbound) -> None:
@@ -211,7 +211,7 @@ class Sources(_Registry[Outbound]):
             if self._current.get(seq.info.route) == seq.key:
                 del self._current[seq.info.route]
             if seq.offered:  # an offered sequence cannot be created again
-                self._offer_routes.pop(seq.info.route, None)
+                self._offer_routes.discard(seq.info.route)
 
     def by_identifier(self, identifier: str) -> Outbound | None:
         key = self._keys.get(identifier)
