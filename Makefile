@@ -31,8 +31,11 @@ demo: venv deps
 	$(PY) -m qtp db start
 	$(PY) -m qtp.demo
 
+# Three workers (pytest-xdist) on two cores: much of the suite waits on processes and databases. The files of
+# an xdist_group run on one worker; tests marked slow start first (tests/conftest.py). TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 3
 test: venv deps
-	$(PY) -m pytest -p no:cacheprovider tests
+	$(PY) -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup tests
 
 bench: venv deps
 	$(PY) benchmarks/tm_overhead.py

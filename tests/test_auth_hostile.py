@@ -157,6 +157,7 @@ def test_a_request_for_one_node_is_refused_by_another(recorded, maria_db, tmp_pa
     _finish(pair, 20)
 
 
+@pytest.mark.slow
 def test_a_request_signed_ahead_is_refused_after_a_restart(recorded, tmp_path):
     """A client whose clock runs 50 s ahead (within max_clock_skew) signs a MakeConnection; an eavesdropper
     keeps it and replays it after the server restarted. The server then refused only signatures dated

@@ -76,6 +76,7 @@ def _queued_in_status(config, routes: set[str]) -> int:
     return found
 
 
+@pytest.mark.slow
 def test_replies_held_for_a_peer_that_never_polls_are_capped_and_expire_visible(hostile):
     """Before: per minute, mallory left 444 offered reply sequences that never end and 8,874 held replies
     (unbounded: each cycle made room for the next by terminating its inbound sequence), and the idle node

@@ -243,6 +243,7 @@ def _process_pair(request, tmp_path, count: int, recipient_env: dict, sender_env
     return urls, ids, sender, recipient
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("coupling", ["shared", "compensatable"])
 def test_sender_and_recipient_killed_again_and_again_every_transaction_stays_atomic(request, tmp_path, coupling):
     """Processes: the sender opens 50 accounts (every 7th aborted by the application) as coupled transactions
@@ -275,6 +276,7 @@ def test_sender_and_recipient_killed_again_and_again_every_transaction_stays_ato
     assert rows(urls["b"], "SELECT COUNT(*) FROM qtp_coupled_in WHERE state = 'prepared'")[0][0] == 0
 
 
+@pytest.mark.slow
 def test_small_campaign_kills_of_nodes_and_databases_under_loss_judged_by_spark(tmp_path):
     """benchmarks/coupled_campaign.py in a small form: 40 coupled transactions from a sender to a shared and a
     compensatable recipient, 10 % HTTP loss, the three nodes and both database servers each SIGKILLed;
@@ -299,6 +301,7 @@ def test_small_campaign_kills_of_nodes_and_databases_under_loss_judged_by_spark(
     assert result["spark"]["b"]["counts"]["ok"] == 40
 
 
+@pytest.mark.slow
 def test_small_mixed_campaign_four_recipients_with_refusals_and_one_attempt_under_kills_and_loss(tmp_path):
     """benchmarks/coupled_campaign.py --fanout mixed in a small form: 40 transactions, each one coupled send to
     two shared recipients (MariaDB, PostgreSQL) and two compensatable ones (PostgreSQL, MariaDB), "processed by

@@ -116,6 +116,7 @@ def test_a_compensation_too_large_for_a_request_is_refused_at_send_not_left_to_b
 
 # ---------------------------------------------------------------------------------------------- id squatting
 
+@pytest.mark.slow
 def test_a_known_peer_that_saw_an_original_on_the_wire_cannot_take_over_its_coupling_id(tmp_path, pg_db):
     """docs/security.md: the attacker may be a known peer that reads plain-HTTP traffic; docs/coupled.md: a
     recipient binds each coupling to the party that started it. The honest sender a's first transmission of

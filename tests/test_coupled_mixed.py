@@ -136,6 +136,7 @@ def _report(title: str, problems: list[str], limit: int = 12) -> str:
 # ---------------------------------------------------------------------------------------------- 1
 
 
+@pytest.mark.slow
 def test_three_recipients_mixed_couplings_never_lose_committed_work(banks):
     """The Dependency-Spheres example with three recipients: each transaction opens an account at the sender and
     sends ONE conditional message to a shared recipient (MariaDB) and two compensatable ones (PostgreSQL,
@@ -242,6 +243,7 @@ def _run_transactions(a: Bank, recipients: list[Bank], stop: threading.Event, th
     return tried, errors, workers
 
 
+@pytest.mark.slow
 def test_control_messages_outlive_a_database_outage(banks, own_maria):
     """A shared and a compensatable recipient on one MariaDB server (the test's own), [limits] max_attempts = 2
     and the tests' backoff (0.1 s doubling to 0.5 s). The server is SIGKILLed while coupled originals, Commits

@@ -16,6 +16,9 @@ import pytest
 from qtp.config import load_config
 from qtp.testing.crash_workload import check_pair
 
+# long tests: conftest.py starts them first, so that they do not finish last
+pytestmark = pytest.mark.slow
+
 # Per database pair: 35 with the file log, 20 with Logging Last Resource. Every failpoint is crashed at, both
 # routes, in tests/test_crash_matrix.py; these random moments add the kills no failpoint names (at 210 and
 # 120 kills the outcomes were 60 committed / 131 rolled back and 42 / 66: the halves keep both well above 5).

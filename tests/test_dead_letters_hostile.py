@@ -18,6 +18,7 @@ from zygote import qtp_command
 FAILS = 30  # the honest client's order that the server's handler refuses
 
 
+@pytest.mark.slow
 def test_one_peers_dead_letters_do_not_hold_another_peers_sequence(hostile):
     limits = "max_dead_letters = 10\nmax_attempts = 1"
     pair, client, server = hostile(send=40, reply=True, rate=3, limits=limits,

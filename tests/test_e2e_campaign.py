@@ -11,6 +11,9 @@ from pathlib import Path
 
 from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres
 
+# long tests: conftest.py starts them first, so that they do not finish last
+pytestmark = pytest.mark.slow
+
 CAMPAIGN = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e_campaign.py"
 
 

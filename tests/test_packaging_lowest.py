@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 from packaging_support import ROOT, canonical, clean_env, declared, locked, lower_bound, make_venv, pip_install
 
+# one xdist worker runs this file: its module-scoped fixture is built once (make test runs -n 3 --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_packaging_lowest")
+
 # The resource contract on both drivers, the transaction manager's paths through them (ORM sessions, driver
 # errors translated, lock waits interrupted, a connection broken during COMMIT), the README's messaging example
 # (codec, HTTP, both stores) and /metrics, with their own PostgreSQL and MariaDB: 51 tests in about 21 s, where

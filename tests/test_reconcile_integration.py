@@ -20,6 +20,9 @@ from qtp.errors import ConfigurationError
 from qtp.reconcile import TableSpec, reconcile
 from qtp.reconcile._sources import find_jdbc_jars
 
+# long tests: conftest.py starts them first, so that they do not finish last
+pytestmark = pytest.mark.slow
+
 KEYS = range(1, 301)
 LOST = {3, 50, 77}
 DUPLICATED = {10: 2, 11: 2, 12: 3}

@@ -13,6 +13,9 @@ import pytest
 
 from qtp.reconcile import _jvm
 
+# long tests: conftest.py starts them first, so that they do not finish last
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("pyspark", reason="qtp[spark] is installed by make; the test suite requires it")
 
 

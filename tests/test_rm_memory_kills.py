@@ -40,6 +40,9 @@ from qtp.wsrm.protocol import CreateSequence, CreateSequenceResponse, Offer
 from qtp.wsrm.runtime import Node, NodeSettings
 from qtp.wsrm.runtime._security import Security
 
+# long tests: conftest.py starts them first, so that they do not finish last
+pytestmark = pytest.mark.slow
+
 KILLS = ("server", "client", "mariadb", "postgresql", "server", "client", "mariadb")
 AFTER = 50       # orders committed after the last kill that must be applied and replied
 BOUND_S = 60.0   # the time they have

@@ -15,6 +15,9 @@ import pytest
 
 from qtp.testing.nodes import NodeProcess, Pair, client_schema, rows, server_schema, wait_until
 
+# long tests: conftest.py starts them first, so that they do not finish last
+pytestmark = pytest.mark.slow
+
 
 def _highest(url: str, query: str) -> int:
     return rows(url, query)[0][0] or 0

@@ -31,6 +31,9 @@ from qtp.testing.nodes import (
     wait_until,
 )
 
+# long tests: conftest.py starts them first, so that they do not finish last
+pytestmark = pytest.mark.slow
+
 SECRET = "honest-pair-secret-0123456789abcdefghij"
 MALLORY = "mallory-secret-0123456789abcdefghijklmn"
 PROBE_FROM = "127.0.0.2"     # /health is asked from here
