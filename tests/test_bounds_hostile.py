@@ -10,6 +10,7 @@ import json
 import time
 import uuid
 
+import pytest
 import sqlalchemy
 
 from qtp.testing.nodes import Pair, request, rows, wait_until

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from qtp.testing.nodes import check_exactly_once, rows, wait_until
 from qtp.wsrm.protocol import CreateSequence, CreateSequenceResponse, Sequence
 from qtp.wsrm.codec import decode

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres
 
 # long tests: conftest.py starts them first, so that they do not finish last
