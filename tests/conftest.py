@@ -21,13 +21,6 @@ from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres
 _counter = itertools.count()
 
 
-def pytest_collection_modifyitems(items):
-    """Tests marked ``slow`` (campaigns, attacks that last their full 20 s, the Spark JVMs) run first, in file
-    order: ``make test`` spreads the tests over three xdist workers, and a long test taken last would keep one
-    worker busy after the others are done."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 def _gone(pid: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

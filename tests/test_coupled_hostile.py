@@ -40,8 +40,6 @@ from qtp.wsrm.protocol import CreateSequence, Sequence
 from qtp.wsrm.runtime._settings import node_settings
 from coupled_support import OPEN, Bank
 
-# one xdist worker runs this file: its module-scoped fixture is built once (make test runs -n 3 --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_coupled_hostile")
 
 YEARS = 10 * 365 * 86400.0
 SLOTS = 8             # max_prepared_transactions of the shared recipient's own PostgreSQL server (attack 1)

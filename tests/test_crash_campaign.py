@@ -16,7 +16,7 @@ import pytest
 from qtp.config import load_config
 from qtp.testing.crash_workload import check_pair
 
-# long tests: conftest.py starts them first, so that they do not finish last
+# long tests (a quick run leaves them out: -m 'not slow')
 pytestmark = pytest.mark.slow
 
 # Per database pair: 35 with the file log, 20 with Logging Last Resource. Every failpoint is crashed at, both

@@ -24,8 +24,6 @@ from qtp.testing.crash_workload import check_pair, drain, setup_database, write_
 
 from zygote import shared
 
-# one xdist worker runs this file: its module-scoped fixture is built once (make test runs -n 3 --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_crash_matrix")
 
 PAIRS = ("pg+pg", "pg+maria", "maria+maria")
 MODES = ("log", "llr")

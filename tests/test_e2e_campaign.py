@@ -13,7 +13,7 @@ import pytest
 
 from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres
 
-# long tests: conftest.py starts them first, so that they do not finish last
+# long tests (a quick run leaves them out: -m 'not slow')
 pytestmark = pytest.mark.slow
 
 CAMPAIGN = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e_campaign.py"

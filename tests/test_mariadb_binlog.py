@@ -15,8 +15,6 @@ from qtp.embedded import EmbeddedMariaDB
 
 from test_coordinator import BALANCE, balances, make_accounts, sent, transfer
 
-# one xdist worker runs this file: its module-scoped fixture is built once (make test runs -n 3 --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_mariadb_binlog")
 
 
 @pytest.fixture(scope="module")

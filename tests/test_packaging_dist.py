@@ -21,8 +21,6 @@ from packaging_support import DISTRIBUTION, ROOT, clean_env, declared, make_venv
 import qtp
 from qtp.testing.nodes import create, rows
 
-# one xdist worker runs this file: its module-scoped fixture is built once (make test runs -n 3 --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_packaging_dist")
 
 DATA_FILES = {"qtp/py.typed", "qtp/coupled/coupled.xsd"}
 # `qtp serve --app` modules: each builds its node when imported, from a config named by an environment variable

@@ -8,6 +8,7 @@ The virtualenv is kept in ``.qtp/venv-lowest/`` and made again only when those v
 
 from __future__ import annotations
 
+import fcntl
 import json
 import re
 import shutil
@@ -18,8 +19,6 @@ from pathlib import Path
 import pytest
 from packaging_support import ROOT, canonical, clean_env, declared, locked, lower_bound, make_venv, pip_install
 
-# one xdist worker runs this file: its module-scoped fixture is built once (make test runs -n 3 --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_packaging_lowest")
 
 # The resource contract on both drivers, the transaction manager's paths through them (ORM sessions, driver
 # errors translated, lock waits interrupted, a connection broken during COMMIT), the README's messaging example
@@ -47,14 +46,18 @@ def constraints() -> str:
 
 @pytest.fixture(scope="module")
 def lowest_python() -> Path:
+    """The virtualenv, made under a lock: make test's xdist workers may both need it, each once."""
     venv = ROOT / ".qtp" / "venv-lowest"
     python, stamp, wanted = venv / "bin" / "python", venv / "installed.txt", constraints()
-    if not (python.exists() and stamp.is_file() and stamp.read_text() == wanted):
-        shutil.rmtree(venv, ignore_errors=True)
-        make_venv(venv)
-        (venv / "constraints.txt").write_text(wanted)
-        pip_install(python, "-c", str(venv / "constraints.txt"), *lowest(), "pytest")
-        stamp.write_text(wanted)  # last: a virtualenv whose install failed is made again
+    venv.parent.mkdir(exist_ok=True)
+    with open(venv.parent / "venv-lowest.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (python.exists() and stamp.is_file() and stamp.read_text() == wanted):
+            shutil.rmtree(venv, ignore_errors=True)
+            make_venv(venv)
+            (venv / "constraints.txt").write_text(wanted)
+            pip_install(python, "-c", str(venv / "constraints.txt"), *lowest(), "pytest")
+            stamp.write_text(wanted)  # last: a virtualenv whose install failed is made again
     return python
 
 

@@ -18,7 +18,7 @@ from test_reconcile_integration import _server_rows, anomalous_tables  # noqa: F
 
 from qtp.embedded import free_port
 
-# long tests: conftest.py starts them first, so that they do not finish last
+# long tests (a quick run leaves them out: -m 'not slow')
 pytestmark = pytest.mark.slow
 
 SPARK_CLASS = Path(pyspark.__file__).parent / "bin" / "spark-class"

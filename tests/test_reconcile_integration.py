@@ -20,7 +20,7 @@ from qtp.errors import ConfigurationError
 from qtp.reconcile import TableSpec, reconcile
 from qtp.reconcile._sources import find_jdbc_jars
 
-# long tests: conftest.py starts them first, so that they do not finish last
+# long tests (a quick run leaves them out: -m 'not slow')
 pytestmark = pytest.mark.slow
 
 KEYS = range(1, 301)

@@ -13,7 +13,7 @@ import pytest
 
 from qtp.reconcile import _jvm
 
-# long tests: conftest.py starts them first, so that they do not finish last
+# long tests (a quick run leaves them out: -m 'not slow')
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("pyspark", reason="qtp[spark] is installed by make; the test suite requires it")

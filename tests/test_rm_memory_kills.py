@@ -40,7 +40,7 @@ from qtp.wsrm.protocol import CreateSequence, CreateSequenceResponse, Offer
 from qtp.wsrm.runtime import Node, NodeSettings
 from qtp.wsrm.runtime._security import Security
 
-# long tests: conftest.py starts them first, so that they do not finish last
+# long tests (a quick run leaves them out: -m 'not slow')
 pytestmark = pytest.mark.slow
 
 KILLS = ("server", "client", "mariadb", "postgresql", "server", "client", "mariadb")

@@ -15,7 +15,7 @@ import pytest
 
 from qtp.testing.nodes import NodeProcess, Pair, client_schema, rows, server_schema, wait_until
 
-# long tests: conftest.py starts them first, so that they do not finish last
+# long tests (a quick run leaves them out: -m 'not slow')
 pytestmark = pytest.mark.slow
 
 

@@ -31,7 +31,7 @@ from qtp.testing.nodes import (
     wait_until,
 )
 
-# long tests: conftest.py starts them first, so that they do not finish last
+# long tests (a quick run leaves them out: -m 'not slow')
 pytestmark = pytest.mark.slow
 
 SECRET = "honest-pair-secret-0123456789abcdefghij"

@@ -187,6 +187,26 @@ def test_acknowledgements_wait_for_the_next_tick_and_cost_one_save_per_sequence(
         assert seq.machine.record.pending == ()
 
 
+def test_an_acknowledgement_and_the_next_numbers_of_its_sequence_cost_one_save():
+    """At one sending thread each tick has an acknowledgement of what went before and a message committed
+    since: both go in one store transaction (they took two), and the room the acknowledgement makes in the
+    window is counted before numbering."""
+    rig = build(limits=Limits(max_unacknowledged=3), peer=FakePeer(acknowledge=False))
+    ids = rig.enqueue(3)
+    rig.tick()
+    seq = rig.only()
+    assert rig.numbered(seq.key) == dict(enumerate(ids, start=1))  # the window is full
+    more = rig.enqueue(2)
+    rig.sender.on_acks((SequenceAcknowledgement(seq.identifier, ranges=((1, 2),)),))
+    saves, deletes, assigns = (rig.store.calls[name] for name in ("save_source", "acknowledged", "assign"))
+    rig.tick()
+    assert rig.store.calls["save_source"] - saves == 1
+    assert rig.store.calls["acknowledged"] - deletes == 1 and rig.store.calls["assign"] - assigns == 1
+    assert rig.numbered(seq.key) == {3: ids[2], 4: more[0], 5: more[1]}
+    assert seq.machine.record.acked == ((1, 2),)
+    assert rig.peer.received[seq.identifier] == [1, 2, 3, 4, 5]
+
+
 # ---------------------------------------------------------------------- retransmission
 
 def test_nothing_is_resent_before_the_timeout_and_each_message_is_after_it():
