@@ -187,15 +187,17 @@ class Sender:
     def tick(self, now: float) -> float | None:
         """Apply waiting acknowledgements, number and send new messages, fire due timers; return when the
         next timer is due."""
-        try:
-            self._apply_acks(now)
-        except (QtpError, SQLAlchemyError) as exc:  # the store is down: the peer acknowledges again later
-            log.warning("acknowledgements not applied now: %s", exc)
+        acks = self._take_acks(now)
         with self._fill_lock:
             calls = self.wake.calls
             if calls != self._filled[0] or now - self._filled[1] >= FILL_INTERVAL_S:
                 self._filled = (calls, now)  # (a call made while filling makes the next tick fill again)
-                self._fill_all(now)
+                self._fill_all(now, acks)
+            try:
+                for seq, ack in acks.items():  # those no new message took along
+                    self.event(seq, ack)
+            except (QtpError, SQLAlchemyError) as exc:  # the store is down: the peer acknowledges again later
+                log.warning("acknowledgements not applied now: %s", exc)
             if self.offers.ending():
                 try:
                     self._end_offers(now)
@@ -218,24 +220,28 @@ class Sender:
                 due.append(at)
         return min(due) if due else None
 
-    def _fill_all(self, now: float) -> None:
+    def _fill_all(self, now: float, acks: dict[Outbound, AckReceived]) -> None:
         """Number what waits on every route. Every commit that enqueues a message calls ``wake``, so a tick
         after none (a timer's) does not ask the store about each route (it did, five times a second per
         route: an idle node's busiest work, with hundreds of offered routes); ``FILL_INTERVAL_S`` is the
-        safety net (a transaction committed by recovery, which calls nothing)."""
+        safety net (a transaction committed by recovery, which calls nothing). A route's sequence takes its
+        waiting acknowledgement (from ``acks``) along: numbers and acknowledgement in one store transaction."""
         routes = [route for channel in self.channels.values() for route in channel.routes()]
         for route in [*routes, *self.sources.offer_routes()]:
             try:
-                self._fill(route, now)
+                self._fill(route, now, acks)
             except (QtpError, SQLAlchemyError) as exc:
                 log.warning("route %s: cannot take new messages now: %s", route, exc)
 
-    def _fill(self, route: str, now: float) -> None:
+    def _fill(self, route: str, now: float, acks: dict[Outbound, AckReceived]) -> None:
         seq = self._sequence_for(route, now)
         if seq is None:
             return
         record = seq.machine.record
-        room = min(self.limits.max_unacknowledged - len(record.pending),
+        ack = acks.get(seq)
+        unacknowledged = len(record.pending) if ack is None else \
+            sum(1 for number, _, _ in record.pending if not ranges.contains(ack.ack.ranges, number))
+        room = min(self.limits.max_unacknowledged - unacknowledged,
                    self.limits.sequence_max_messages - record.next_number + 1)
         if room <= 0:
             return
@@ -243,7 +249,8 @@ class Sender:
         with store.local() as s:
             waiting = store.unnumbered(s, route, room)
         if waiting:
-            self.event(seq, SendRequested(now, len(waiting)), messages=waiting)
+            acks.pop(seq, None)  # (taken along even when this transaction fails: the peer acknowledges again)
+            self.event(seq, *((ack,) if ack else ()), SendRequested(now, len(waiting)), messages=waiting)
 
     def _sequence_for(self, route: str, now: float) -> Outbound | None:
         """The sequence that takes ``route``'s new messages, starting a new one when needed."""
@@ -647,13 +654,18 @@ class Sender:
                     self._acks[ack.identifier] = _merge(known, ack)
         self.wake()
 
-    def _apply_acks(self, now: float) -> None:
+    def _take_acks(self, now: float) -> dict[Outbound, AckReceived]:
+        """The acknowledgements waiting since the last tick, as events of the sequences they name."""
         with self._acks_mutex:
             waiting, self._acks = self._acks, {}
         if waiting:
             failpoint("before_acks_applied")  # the peer stored and acknowledged; nothing deleted here yet
+        taken: dict[Outbound, AckReceived] = {}
         for ack in waiting.values():
-            self._by_identifier(ack.identifier, AckReceived(ack, now))
+            seq = self.sources.by_identifier(ack.identifier)
+            if seq is not None:
+                taken[seq] = AckReceived(ack, now)
+        return taken
 
     def _by_identifier(self, identifier: str, event: Any) -> None:
         seq = self.sources.by_identifier(identifier)
