@@ -319,9 +319,13 @@ class EmbeddedMariaDB:
             self.create_database("qtp")
             return self.info
         self.root.mkdir(parents=True, exist_ok=True)
+        # A temporary directory of its own: servers sharing /tmp collide on their temporary tables' names
+        # (seen: one of three mariadb-install-db run at once failed, "Unknown table 'mysql.tmp_user_sys'").
+        tmpdir = self.root / "tmp"
+        tmpdir.mkdir(exist_ok=True)
         if not (self.datadir / "mysql").exists():
             _run(
-                [self.install_bin, "--no-defaults", f"--datadir={self.datadir}", "--user=root",
+                [self.install_bin, "--no-defaults", f"--datadir={self.datadir}", f"--tmpdir={tmpdir}", "--user=root",
                  "--auth-root-authentication-method=normal", "--skip-test-db"],
                 "mariadb-install-db",
             )
@@ -331,7 +335,7 @@ class EmbeddedMariaDB:
         # acknowledged back as *prepared* after a crash, and presumed abort would then roll it back. Without
         # it, InnoDB's own redo log (flushed at every commit) decides, and a commit acknowledged is durable.
         cmd = [
-            self.server_bin, "--no-defaults", f"--datadir={self.datadir}", f"--port={port}",
+            self.server_bin, "--no-defaults", f"--datadir={self.datadir}", f"--tmpdir={tmpdir}", f"--port={port}",
             "--bind-address=127.0.0.1", f"--socket={sock}", f"--pid-file={self.root / 'mysqld.pid'}",
             "--user=root", "--skip-name-resolve", "--innodb-flush-log-at-trx-commit=1", "--sync-binlog=1",
             "--log-bin=binlog" if self.binlog else "--skip-log-bin", "--server-id=1", "--max-connections=400",

@@ -21,6 +21,16 @@ from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres
 _counter = itertools.count()
 
 
+def pytest_configure(config):
+    """Node processes (``qtp.testing.nodes.NodeProcess``, hundreds per run) are forks of the session's zygote
+    (tests/zygote.py), an interpreter that imported qtp once, instead of new interpreters: each start saves
+    the interpreter's start-up and qtp's imports (about 0.6 s of CPU)."""
+    from qtp.testing import nodes
+    from zygote import shared
+
+    nodes.LAUNCH = lambda args, env, log: shared().spawn("qtp", args, env, log)
+
+
 def _gone(pid: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -66,13 +66,66 @@ class Zygote:
             code = json.loads(answer)["code"]
             return Run(code, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
+    def spawn(self, module: str, args: list[str], env: dict[str, str], log: Path) -> "Forked":
+        """Start ``python -m module args`` as a fork of the zygote, in a session of its own, its output appended
+        to ``log``, and return at once (a ``Forked``)."""
+        request = {"spawn": True, "module": module, "argv": list(args), "env": env, "out": str(log),
+                   "err": str(log), "status": str(self.folder)}
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with self._turn:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            answer = self.proc.stdout.readline()
+            if not answer:
+                raise RuntimeError(f"the zygote ended (exit {self.proc.poll()})")
+            pid = json.loads(answer)["pid"]
+            return Forked(pid, os.pidfd_open(pid), self.folder / f"exit-{pid}")
+
     def close(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         self.proc.wait(30)
-        for name in ("out", "err"):
-            (self.folder / name).unlink(missing_ok=True)
+        for path in self.folder.iterdir():  # out, err, and the exit statuses nobody read
+            path.unlink(missing_ok=True)
         self.folder.rmdir()
+
+
+class Forked:
+    """What ``subprocess.Popen`` gives ``NodeProcess`` (``pid``, ``returncode``, ``poll``, ``wait``,
+    ``send_signal``, ``kill``) for a process the zygote forked. Its end is seen through a pidfd (readable
+    once it exits; opened before the zygote may reap it, so the pid cannot be another process's); its exit
+    status is the file the zygote writes when it reaps it (-1 until then)."""
+
+    def __init__(self, pid: int, pidfd: int, status: Path):
+        self.pid, self._pidfd, self._status = pid, pidfd, status
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
+            os.close(self._pidfd)
+            self.returncode = -1
+        if self.returncode == -1:
+            try:
+                self.returncode = int(self._status.read_text())
+                self._status.unlink()
+            except (OSError, ValueError):
+                pass
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            select.select([self._pidfd], [], [], 0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 _shared: list[Zygote] = []
@@ -94,13 +147,20 @@ def qtp_command(*args: object, env: dict[str, str] | None = None, timeout: float
 # ------------------------------------------------------------------------------------------ the zygote side
 
 def _child(request: dict) -> None:
-    """In the fork: become ``python -m module argv`` with the request's environment; never returns."""
+    """In the fork: become ``python -m module argv`` with the request's environment; never returns. A spawned
+    one has a session of its own and appends to its log (``out`` and ``err`` are the same file)."""
     code = 1
     try:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        for fd, path in ((1, request["out"]), (2, request["err"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+        if request.get("spawn"):
+            os.setsid()
+            out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+        else:
+            for fd, path in ((1, request["out"]), (2, request["err"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
         os.environ.clear()
         os.environ.update(request["env"])
         random.seed()
@@ -144,13 +204,38 @@ def serve() -> None:
     for module in PRELOAD:
         __import__(module)
     sys.modules["qtp.cli"].build_parser()  # imports every command's module
-    for line in sys.stdin:
+    spawned: dict[int, tuple[float, Path]] = {}  # pid -> (when, where its exit status goes)
+    while True:
+        ready = select.select([sys.stdin], [], [], 0.2)[0]
+        _reap(spawned)
+        if not ready:
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            break
         request = json.loads(line)
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
             _child(request)
-        print(json.dumps({"code": _wait(pid, request["timeout"])}), flush=True)
+        if request.get("spawn"):
+            spawned[pid] = (time.monotonic(), Path(request["status"]) / f"exit-{pid}")
+            print(json.dumps({"pid": pid}), flush=True)
+        else:
+            print(json.dumps({"code": _wait(pid, request["timeout"])}), flush=True)
+
+
+def _reap(spawned: dict[int, tuple[float, Path]]) -> None:
+    """Wait for the spawned processes that ended, writing each one's exit status where its ``Forked`` reads
+    it. Not in their first second: the client opens its pidfd before the pid can be freed."""
+    now = time.monotonic()
+    for pid, (born, status) in list(spawned.items()):
+        if now - born < 1.0:
+            continue
+        done, code = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status.write_text(str(os.waitstatus_to_exitcode(code)))
+            del spawned[pid]
 
 
 if __name__ == "__main__":

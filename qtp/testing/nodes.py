@@ -11,6 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import requests
@@ -149,6 +150,11 @@ http_timeout = 5
 _NODE_IDS: dict[int, str] = {}  # port -> the [node] id of the NodeProcess listening there
 
 
+# How NodeProcess starts ``python -m qtp serve``: None, a new interpreter (subprocess.Popen); the test suite sets
+# launch(args, env, log) -> a Popen-like handle that forks an interpreter which imported qtp once (tests/zygote.py).
+LAUNCH: Callable[[list[str], dict[str, str], Path], Any] | None = None
+
+
 class NodeProcess:
     """``qtp serve --app qtp.testing.e2e_app:node`` (or another ``app``) for one config; ``start``, ``kill``
     (SIGKILL), ``stop``."""
@@ -170,9 +176,13 @@ class NodeProcess:
     def start(self, timeout: float = 60.0) -> "NodeProcess":
         env = dict(os.environ, QTP_TEST_CONFIG=str(self.config), **self.env)
         begin = self.log.stat().st_size if self.log.exists() else 0
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "qtp", "serve", "--app", self.app],
-                                         env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        if LAUNCH is not None:
+            self.log.touch()  # (read below before the launched process may have opened it)
+            self.proc = LAUNCH(["serve", "--app", self.app], env, self.log)
+        else:
+            with open(self.log, "ab") as out:
+                self.proc = subprocess.Popen([sys.executable, "-m", "qtp", "serve", "--app", self.app],
+                                             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
