@@ -6,6 +6,10 @@ forks one process per ``run()``: each run is a fresh process with its own enviro
 and exit status, and a SIGKILL (a failpoint's ``crash``) ends only it. The zygote itself opens no connection
 and starts no thread, so a fork inherits nothing but imported modules. Its protocol: one JSON request per
 line on its input, one JSON answer (``{"code": exit status}``) per line on its output.
+
+``spawn()`` starts a long-running one (a node, ``qtp serve``: ``tests/conftest.py`` makes every
+``NodeProcess`` of the session one) and answers at once with its pid (``{"pid": ...}``); the zygote reaps it
+when it ends and leaves its exit status in a file for the ``Forked`` handle.
 """
 
 from __future__ import annotations
@@ -57,13 +61,8 @@ class Zygote:
         base = {k: v for k, v in os.environ.items() if k != "QTP_FAILPOINTS"}
         request = {"module": module, "argv": list(args), "env": base if env is None else env,
                    "out": str(out), "err": str(err), "timeout": timeout}
-        assert self.proc.stdin is not None and self.proc.stdout is not None
         with self._turn:
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            answer = self.proc.stdout.readline()
-            if not answer:
-                raise RuntimeError(f"the zygote ended (exit {self.proc.poll()})")
-            code = json.loads(answer)["code"]
+            code = self._ask(request)["code"]
             return Run(code, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
     def spawn(self, module: str, args: list[str], env: dict[str, str], log: Path) -> "Forked":
@@ -71,14 +70,18 @@ class Zygote:
         to ``log``, and return at once (a ``Forked``)."""
         request = {"spawn": True, "module": module, "argv": list(args), "env": env, "out": str(log),
                    "err": str(log), "status": str(self.folder)}
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        with self._turn:
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            answer = self.proc.stdout.readline()
-            if not answer:
-                raise RuntimeError(f"the zygote ended (exit {self.proc.poll()})")
-            pid = json.loads(answer)["pid"]
+        with self._turn:  # (the pidfd is opened before the zygote may reap the process: see _reap)
+            pid = self._ask(request)["pid"]
             return Forked(pid, os.pidfd_open(pid), self.folder / f"exit-{pid}")
+
+    def _ask(self, request: dict) -> dict:
+        """Send one request and read its answer (the caller holds ``_turn``)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the zygote ended (exit {self.proc.poll()})")
+        return json.loads(answer)
 
     def close(self) -> None:
         if self.proc.stdin is not None:
