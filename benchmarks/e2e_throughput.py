@@ -82,6 +82,7 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
     if replies:
         stages["replied"] = lambda: rows(client_url, "SELECT COUNT(*) FROM replies")[0][0]
     marks: dict[tuple[str, float], float] = {}
+    commits = _commits(client_url)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         counts = {name: read() for name, read in stages.items()}
@@ -102,7 +103,15 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
         result["rate" if name == "applied" else f"{name}_rate"] = round(rate, 1)
     if cpu is not None:
         result["cpu_ms_per_msg"] = cpu.per_message(len(latencies))
+    time.sleep(1.5)  # PostgreSQL publishes a backend's counters within a second of it going idle
+    result["client_commits_per_msg"] = round((_commits(client_url) - commits) / total, 2)
     return result
+
+
+def _commits(url: str) -> int:
+    """Transactions committed in the client's PostgreSQL database so far (every process's, the measurement's
+    polls included: about one per 50 ms)."""
+    return rows(url, "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()")[0][0]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -115,7 +124,7 @@ def _databases_cpu(pg, maria) -> dict[str, int | None]:
 
 def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, tag: str,
             rate: float | None = None, batch_handler: bool = False, reply: bool = False,
-            secret: str | None = None) -> dict:
+            secret: str | None = None, profile: Path | None = None) -> dict:
     client_app, server_app = _fresh(pg, f"tc_{tag}"), _fresh(maria, f"ts_{tag}")
     client_schema(client_app)
     server_schema(server_app)
@@ -133,13 +142,26 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
     began = time.monotonic()
     client.start()
     cpu = CpuMeter({"client": client.proc.pid, "server": server.proc.pid, **_databases_cpu(pg, maria)})
+    spies = [_spy(profile / f"{tag}-{role}.txt", proc.proc.pid) for role, proc in (("client", client), ("server", server))
+             ] if profile else []
     try:
         metrics = f"http://127.0.0.1:{pair.server_port}/metrics"
         return _measure(server_app, client_app, messages, began, timeout=600, metrics=metrics, cpu=cpu,
                         replies=reply)
     finally:
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
         client.stop()
         server.stop()
+
+
+def _spy(out: Path, pid: int) -> subprocess.Popen:
+    """py-spy sampling ``pid``'s running threads (idle ones left out) as collapsed stacks in ``out`` until SIGINT."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--rate", "200",
+                             "--format", "raw", "--output", str(out), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def run_outbox(pg, maria, folder: Path, messages: int, threads: int, tag: str, strong: bool = False,
@@ -252,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-handler", action="store_true", help="the qtp server applies with a batch handler")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", type=Path, help="record the qtp nodes with py-spy (collapsed stacks) in this folder")
     args = parser.parse_args(argv)
     pg, maria = EmbeddedPostgres(args.root / "pg"), EmbeddedMariaDB(args.root / "mariadb")
     pg.start()
@@ -267,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     r = run_qtp(pg, maria, folder, args.messages, threads, variant == "b", tag, args.rate,
                                 args.batch_handler, reply=variant == "r",
-                                secret=secrets.token_urlsafe(32) if variant == "A" else None)
+                                secret=secrets.token_urlsafe(32) if variant == "A" else None,
+                                profile=args.profile)
                 r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate,
                          batch_handler=args.batch_handler)
                 results.append(r)
@@ -288,6 +312,8 @@ def summarise(results: list[dict]) -> dict:
             if runs:
                 row[variant] = {name: statistics.median(r.get(name, 0.0) for r in runs)
                                 for name in ("rate", "sent_rate", "stored_rate", "replied_rate", "p50_ms", "p99_ms")}
+                if all("client_commits_per_msg" in r for r in runs):
+                    row[variant]["client_commits_per_msg"] = statistics.median(r["client_commits_per_msg"] for r in runs)
                 row[variant]["cpu_ms_per_msg"] = {
                     proc: round(statistics.median(r["cpu_ms_per_msg"][proc] for r in runs), 3)
                     for proc in runs[0].get("cpu_ms_per_msg", {})}
@@ -301,7 +327,8 @@ def summarise(results: list[dict]) -> dict:
             ratios = "".join(f" = {x[k]:.2f}x ({k[-1]})" for k in ("ratio_to_s", "ratio_to_c") if k in x)
             cpu = " ".join(f"{proc} {ms:.2f}" for proc, ms in x["cpu_ms_per_msg"].items())
             replied = f"; replies {x['replied_rate']:.0f}/s" if x.get("replied_rate") else ""
-            print(f"{threads:2d} thread(s) ({variant}) {LABELS[variant]:40s} {x['rate']:7.1f} msg/s{ratios}{replied}; "
+            commits = f"; client commits/msg {x['client_commits_per_msg']:.2f}" if "client_commits_per_msg" in x else ""
+            print(f"{threads:2d} thread(s) ({variant}) {LABELS[variant]:40s} {x['rate']:7.1f} msg/s{ratios}{replied}{commits}; "
                   f"sent {x['sent_rate']:.0f}/s; p50 {x['p50_ms']:.1f} ms p99 {x['p99_ms']:.1f} ms; CPU ms/msg: {cpu}")
     return summary
 
