@@ -6,6 +6,7 @@ module and runs the README's first ``with qtp.transaction()`` example against th
 from __future__ import annotations
 
 import email
+import fcntl
 import json
 import re
 import subprocess
@@ -31,8 +32,11 @@ APPS = {"qtp.demo.shop", "qtp.testing.coupled_app", "qtp.testing.e2e_app"}
 def dist(tmp_path_factory) -> dict[str, Path]:
     """{"wheel": path, "sdist": path}, built from this checkout (the wheel from the sdist, as build does)."""
     out = tmp_path_factory.mktemp("dist")
-    run = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)], capture_output=True,
-                         text=True, timeout=600, env=clean_env())
+    (ROOT / ".qtp").mkdir(exist_ok=True)
+    with open(ROOT / ".qtp" / "dist.lock", "w") as lock:  # the sdist step writes qtp_queued.egg-info in ROOT:
+        fcntl.flock(lock, fcntl.LOCK_EX)                   # one xdist worker at a time
+        run = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)], capture_output=True,
+                             text=True, timeout=600, env=clean_env())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return {"wheel": next(out.glob("*.whl")), "sdist": next(out.glob("*.tar.gz"))}
 

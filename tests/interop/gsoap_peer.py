@@ -21,6 +21,7 @@ version it was spoken to. Ports: choose them in 47000-47999.
 
 from __future__ import annotations
 
+import fcntl
 import http.client
 import re
 import subprocess
@@ -49,7 +50,9 @@ def build(force: bool = False) -> Path:
 
     Returns the build directory. Raises PeerError with the compiler's output when the build fails.
     """
-    with _build_lock:
+    BUILD_DIR.mkdir(exist_ok=True)
+    with _build_lock, open(BUILD_DIR / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # make test's xdist workers share the build folder: one builds it
         binaries = [BUILD_DIR / f"{kind}-rm{v}" for kind in ("client", "server") for v in ("10", "11")]
         newest_source = max((SOURCE_DIR / name).stat().st_mtime for name in _SOURCES)
         if not force and all(b.exists() and b.stat().st_mtime >= newest_source for b in binaries):

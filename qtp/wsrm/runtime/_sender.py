@@ -641,7 +641,8 @@ class Sender:
     def on_acks(self, acks: tuple[SequenceAcknowledgement, ...]) -> None:
         """Acknowledgements are set unions, so only the newest per sequence matters: they are kept here and
         applied by the next tick, one store transaction per sequence for however many arrived meanwhile
-        (instead of one per HTTP response). Losing them in a crash only means retransmissions."""
+        (instead of one per HTTP response; the transaction that numbers the sequence's next messages, when
+        there are some). Losing them in a crash only means retransmissions."""
         with self._acks_mutex:
             for ack in acks:
                 known = self._acks.get(ack.identifier)
