@@ -35,7 +35,6 @@ from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.runtime._answers import NOTHING, Answer
 from qtp.wsrm.runtime._mailbox import Mailbox
 from qtp.wsrm.runtime._metrics import Metrics
-from qtp.wsrm.runtime._node import HandlerTable
 from qtp.wsrm.runtime._offers import Offers, offer_route
 from qtp.wsrm.runtime._ownership import Ownership
 from qtp.wsrm.runtime._ports import Wake
@@ -167,11 +166,9 @@ def build(limits: Limits | None = None, store: StoreWithFaults | None = None) ->
     sources, destinations, wake = Sources(), Destinations(), Wake()
     offers = Offers(store, sources, destinations, limits, security.peer_for_url, wake, clock)
     ownership = Ownership(destinations, sources, {}, security, metrics)
-    handlers = HandlerTable()
-    handlers.requests[ACTION] = lambda tx, message: None
     invoker, outbound, transport = RecordingInvoker(), SenderEvents(), FakeTransport(lambda url, envelopes: NOTHING)
     receiver = Receiver(limits, security, "127.0.0.1", ENDPOINT, store, destinations, offers, outbound, invoker,
-                        handlers, Mailbox(limits, metrics, sources, destinations, None, clock), ownership, metrics,
+                        Mailbox(limits, metrics, sources, destinations, None, clock), ownership, metrics,
                         transport, inline, clock)
     return Rig(receiver, store, invoker, outbound, sources, clock, transport, wake)
 

@@ -523,13 +523,6 @@ class Stored:
         return 0
 
 
-class TakesAll:
-    def takes(self, action: str) -> bool:
-        return True
-
-    def for_message(self, message: object, info: object) -> None:
-        return None
-
 
 class NoSources:
     def on_acks(self, acks: object) -> None:
@@ -540,13 +533,13 @@ class NoSources:
 
 
 def receiver(clock: FakeClock, store: MemoryStore, stored: Stored) -> Receiver:
-    """A real Receiver on ``store``, taking every action, with no sequences of its own."""
+    """A real Receiver on ``store``, with no sequences of its own."""
     limits, security = Limits(), Security()
     sources, destinations, wake = Sources(), Destinations(), Wake()
     metrics = Metrics("peer", destinations.open_count, lambda: 0)
     offers = Offers(store, sources, destinations, limits, security.peer_for_url, wake, clock)
     return Receiver(limits, security, "127.0.0.1", PEER, store, destinations, offers, NoSources(), stored,
-                    TakesAll(), Mailbox(limits, metrics, sources, destinations, None, clock),
+                    Mailbox(limits, metrics, sources, destinations, None, clock),
                     Ownership(destinations, sources, {}, security, metrics), metrics,
                     FakeTransport(FakePeer()), inline, clock)  # type: ignore[arg-type]
 

@@ -72,9 +72,6 @@ class HandlerTable:
         self.requests: dict[str, Handler] = {}
         self.replies: dict[str, Handler] = {}
 
-    def takes(self, action: str) -> bool:
-        return action in self.requests
-
     def for_message(self, message: Message, info: DestinationInfo | None) -> Handler | None:
         if info is not None and info.channel is not None:
             return self.replies.get(channel_name(info.channel))
@@ -132,7 +129,7 @@ class Node:
         self.invoker = Invoker(limits, self.inbound_store, self.destinations, self._table, manager.transaction,
                                self.stores.enlisted, self.offers.inbound_finished, self.metrics, self.wake, clock)
         self.receiver = Receiver(limits, security, settings.listen_host(), self.endpoint, self.inbound_store,
-                                 self.destinations, self.offers, self.sender, self.invoker, self._table,
+                                 self.destinations, self.offers, self.sender, self.invoker,
                                  self.mailbox, self.ownership, self.metrics, self.transport, self.sender.submit,
                                  clock)
         self.wsgi = Endpoint(manager.node_id, self.endpoint, limits, security, settings.listen_host(), self.metrics,

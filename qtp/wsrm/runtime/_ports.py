@@ -75,9 +75,6 @@ class Deliveries(Protocol):
 
 
 class Handlers(Protocol):
-    """The application's handlers, as the receiver and invoker see them."""
-
-    def takes(self, action: str) -> bool:
-        """A handler is registered for ``action`` (requests; replies go to a channel's reply handler)."""
+    """The application's handlers, as the invoker sees them."""
 
     def for_message(self, message: Incoming, info: DestinationInfo | None) -> Callable[..., Any] | None: ...

@@ -75,7 +75,7 @@ from qtp.wsrm.runtime._ids import enqueued_at
 from qtp.wsrm.runtime._mailbox import Mailbox
 from qtp.wsrm.runtime._offers import Offers
 from qtp.wsrm.runtime._ownership import Ownership, Source
-from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock, Deliveries, Handlers, OutboundEvents, Run
+from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock, Deliveries, OutboundEvents, Run
 from qtp.wsrm.runtime._refusals import refusals
 from qtp.wsrm.runtime._security import Security, is_loopback
 from qtp.wsrm.runtime._sequences import Destinations, Inbound, Outbound
@@ -97,7 +97,7 @@ class Receiver:
 
     def __init__(self, limits: Limits, security: Security, listen_host: str | None, endpoint: str | None,
                  store: Store, destinations: Destinations, offers: Offers, outbound: OutboundEvents,
-                 deliveries: Deliveries, handlers: Handlers, mailbox: Mailbox, ownership: Ownership, metrics: Any,
+                 deliveries: Deliveries, mailbox: Mailbox, ownership: Ownership, metrics: Any,
                  transport: Transport, run: Run, clock: Clock = SYSTEM_CLOCK):
         self.limits = limits
         self.security = security
@@ -108,7 +108,6 @@ class Receiver:
         self.offers = offers
         self.outbound = outbound
         self.deliveries = deliveries
-        self.handlers = handlers
         self.mailbox = mailbox
         self.ownership = ownership
         self.metrics = metrics
