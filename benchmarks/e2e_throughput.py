@@ -103,6 +103,8 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
         result["rate" if name == "applied" else f"{name}_rate"] = round(rate, 1)
     if cpu is not None:
         result["cpu_ms_per_msg"] = cpu.per_message(len(latencies))
+    if metrics:
+        result["applied_on_receipt"] = counter(metrics, "qtp_messages_applied_on_receipt_total")
     time.sleep(1.5)  # PostgreSQL publishes a backend's counters within a second of it going idle
     result["client_commits_per_msg"] = round((_commits(client_url) - commits) / total, 2)
     return result

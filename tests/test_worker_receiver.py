@@ -107,6 +107,9 @@ class RecordingInvoker:
     def stored(self, identifier: str, number: int, message: Incoming | None = None) -> None:
         self.told.setdefault(identifier, []).append(number)
 
+    def receipt(self, info: Any, record: Any, before: Any, messages: list[Incoming]) -> None:
+        return None  # never applies on receipt: the receiver stores them itself
+
     def completed(self, identifier: str, received: Any) -> None:
         self.completions.append((identifier, received))
 

@@ -510,6 +510,9 @@ class Stored:
     def stored(self, identifier: str, number: int, message: object = None) -> None:
         self.numbers.append((identifier, number))
 
+    def receipt(self, info: object, record: object, before: object, messages: object) -> None:
+        return None
+
     def completed(self, identifier: str, received: object) -> None:
         return None
 

@@ -60,11 +60,11 @@ class Coupled:
         node.coupled = self
         self._started = False
         # the node refuses handlers once it has started: Coupled(node) comes before node.start()
-        self.node.handler(ACTION["Message"])(self.recipient.on_message)
-        self.node.handler(ACTION["Commit"])(self.recipient.on_decision)
-        self.node.handler(ACTION["Abort"])(self.recipient.on_decision)
-        self.node.handler(ACTION["Notify"])(self.sender.on_notify)
-        self.node.handler(ACTION["Status"])(self.sender.on_status)
+        self.node.handler(ACTION["Message"], on_receipt=False)(self.recipient.on_message)
+        self.node.handler(ACTION["Commit"], on_receipt=False)(self.recipient.on_decision)
+        self.node.handler(ACTION["Abort"], on_receipt=False)(self.recipient.on_decision)
+        self.node.handler(ACTION["Notify"], on_receipt=False)(self.sender.on_notify)
+        self.node.handler(ACTION["Status"], on_receipt=False)(self.sender.on_status)
         if start:
             self.start()
 

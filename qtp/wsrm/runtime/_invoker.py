@@ -54,18 +54,22 @@ from qtp.wsrm.protocol import (
 from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.runtime._ids import new_message_id
 from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock, Handlers
-from qtp.wsrm.runtime._refusals import refusals
+from qtp.wsrm.runtime._refusals import RefusalWarnings, refusals
 from qtp.wsrm.runtime._sequences import Destinations
 from qtp.wsrm.runtime._settings import Limits
 from qtp.wsrm.runtime._stores import Enlisted
 from qtp.wsrm.store import Incoming, Outgoing, Store
 
 log = logging.getLogger("qtp.wsrm.invoker")
+# a handler that answers every message of a one-way sequence would write a line per message
+dropped = RefusalWarnings(summary="dropped %s more replies (%s: their sequence offered none) in the last %.0f s")
 
 Message = Incoming  # what a handler receives
 REDELIVERY = "urn:qtp:redelivery"  # dead letters sent back by `qtp dead-letters retry` (numbered by letter id)
 BatchHandler = Callable[[Any, list[Incoming]], "list[bytes | str | None] | None"]
 CACHE_MAX = 4096  # messages kept in memory between their store and their apply; beyond, read from the store
+RECEIPT_BUDGET = 0.1  # seconds per message: a handler slower than this in a receiving commit is ...
+RECEIPT_COOLDOWN = 10.0  # ... left to the invoker's threads for this long (its acknowledgements waited on it)
 
 
 class _Batch:
@@ -149,8 +153,9 @@ class Invoker:
     def __init__(self, limits: Limits, store: Store, destinations: Destinations, handlers: Handlers,
                  transaction: Callable[[], ContextManager[Any]], enlist: Callable[[Any], Enlisted],
                  finished: Callable[[str], None], metrics: Any, wake: Callable[[], None],
-                 clock: Clock = SYSTEM_CLOCK):
+                 clock: Clock = SYSTEM_CLOCK, on_receipt: bool = False):
         self.limits = limits
+        self.on_receipt = on_receipt  # apply in the receiving commit (``receipt``): xa mode, not turned off
         self.store = store
         self.destinations = destinations
         self.handlers = handlers
@@ -171,6 +176,7 @@ class Invoker:
         self._dead_mutex = threading.Lock()
         self._dead_counts: dict[str | None, int] | None = None  # dead letters per peer, read when first needed
         self._dead_read_at = 0.0
+        self._slow: dict[Any, float] = {}  # handlers too slow for the receiving commit, until when
 
     # ------------------------------------------------------------------ state
 
@@ -344,6 +350,97 @@ class Invoker:
             return
         self._failed(message, MessageRefusedError(f"no handler is registered for action {message.action!r}"))
 
+    # ------------------------------------------------------------------ apply on receipt
+
+    def receipt(self, info: Any, record: Any, before: Any, messages: list[Incoming]) -> set[int] | None:
+        """Store ``messages`` (just accepted for ``info``'s sequence, whose record becomes ``record``) and apply
+        the ones at the head of the sequence in *one* global transaction: the destination record, the rows of
+        the others, and for the head the handler, the applied MessageIDs, the replies and the invoker record
+        commit together or not at all. Returns the numbers applied; None when it did nothing (not ``xa``, the
+        invoker has work of the sequence, no head, no handler, or the handler raised: the transaction rolled
+        back, and the caller stores the messages as usual, for the invoker to apply and count attempts). A
+        failed or unknown commit raises (the caller's sequence is then stale and reloaded from the store).
+
+        The receiver calls it under the sequence's lock, so no other message of the sequence can be stored
+        (and handed to the invoker) meanwhile; the head must be the next number to deliver, with nothing of
+        the sequence in flight, so in-order delivery is kept. Messages stored earlier beyond the head (they
+        came before it: a gap, requests that overtook each other) are handed to the invoker after the commit."""
+        if not self.on_receipt or not messages:
+            return None
+        head, handler = self._receipt_head(info, messages)
+        if not head:
+            return None
+        identifier = messages[0].identifier
+        numbers = [m.number for m in head]
+        invoker_record = self._delivered_record(identifier, numbers)
+        rest = messages[len(head):]
+        in_body = False
+        spent = 0.0
+        try:
+            with self._transaction() as tx:
+                in_body = True
+                queue = self._enlist(tx)
+                if rest:
+                    queue("store_incoming_many", rest)
+                queue("save_destination", info, record, before)
+                fresh = self._not_applied_before(queue, head)
+                began = self.clock.monotonic()
+                self._handle(tx, queue, handler, fresh)
+                spent = self.clock.monotonic() - began
+                queue("save_invoker", invoker_record)
+                in_body = False
+        except Exception as exc:
+            if not in_body or isinstance(exc, OutcomeUnknownError):
+                raise
+            log.debug("applying %s #%d on receipt failed (%s); stored for the invoker", identifier, numbers[0], exc)
+            return None
+        failpoint("after_apply_before_ack")
+        if spent > RECEIPT_BUDGET * len(head):  # the acknowledgement waited on the handler: not for a while
+            self._slow[handler] = self.clock.monotonic() + RECEIPT_COOLDOWN
+        now = self.clock.time()
+        self.metrics.on_receipt.inc(len(head))
+        for message in head:
+            self.metrics.delivered.inc()
+            self.metrics.latency.observe(max(0.0, now - (message.enqueued_at or message.received_at)))
+        actions: list[Any] = []
+        with self._mutex:  # as if handed out and committed: messages stored beyond them are handed out next
+            machine = self._buffer(identifier)
+            for number in numbers:
+                machine = self._machines[identifier] = InvokerBuffer(replace(
+                    machine.record, stored=ranges.add(machine.record.stored, number),
+                    in_flight=(*machine.record.in_flight, number)))
+                actions.extend(machine.handle(DeliveryCommitted(number)))
+        self._dispatch(actions)
+        return set(numbers)
+
+    def _receipt_head(self, info: Any, messages: list[Incoming]) -> tuple[list[Incoming], Any]:
+        """The messages at the head of ``messages`` that ``receipt`` may apply, and their handler."""
+        first = messages[0]
+        if first.identifier == REDELIVERY or info is None:
+            return [], None
+        handler = self.handlers.for_message(first, info)
+        if handler is None or not self.handlers.on_receipt(first, info):
+            return [], None
+        if handler in self._slow:
+            if self._slow[handler] > self.clock.monotonic():
+                return [], None
+            del self._slow[handler]
+        with self._mutex:
+            r = self._buffer(first.identifier).record
+            waiting = ranges.difference(r.stored, r.delivered)
+            expected = ranges.contiguous_from_one(r.delivered) + 1
+        if not r.in_order or r.in_flight or r.final is not None or first.number != expected:
+            return [], None
+        head: list[Incoming] = []
+        for m in messages:  # the whole request: a rest left over would make the invoker take the next ones
+            if m.number != expected + len(head) or m.payload is None or m.attempts or m.not_before \
+                    or self.handlers.for_message(m, info) is not handler:
+                break
+            head.append(m)
+        if waiting and head and waiting[0][0] <= head[-1].number:
+            return [], None  # (cannot be: the invoker has what the head brings) the invoker's, then
+        return head, handler
+
     def _cached(self, identifier: str, number: int, limit: int) -> list[Incoming]:
         """The consecutive messages from ``number`` on that are in memory (empty when ``number`` is not)."""
         with self._mutex:
@@ -401,15 +498,7 @@ class Invoker:
             if queue.atomic and consumed != len(numbers):
                 raise _AlreadyApplied()
             fresh = self._not_applied_before(queue, messages) if queue.atomic else messages
-            if isinstance(handler, _Batch):
-                results = handler.apply(tx, fresh) if fresh else []
-            else:
-                results = [handler(tx, m) for m in fresh]
-            for message, result in zip(fresh, results):
-                reply = self._reply(message, result)
-                if reply is not None:
-                    queue("enqueue", reply)
-                    tx.on_commit(self._wake)
+            self._handle(tx, queue, handler, fresh)
             queue("save_invoker", record)
         failpoint("after_apply_before_ack")
         now = self.clock.time()
@@ -417,6 +506,20 @@ class Invoker:
             self.metrics.delivered.inc()
             self.metrics.latency.observe(max(0.0, now - (message.enqueued_at or message.received_at)))
         self._committed(identifier, messages[0].number, [m.number for m in messages[1:]])
+
+    def _handle(self, tx: Any, queue: Enlisted, handler: Callable[..., Any], messages: list[Incoming]) -> None:
+        """Run the handler on ``messages`` in ``tx`` (a batch handler with at most ``invoker_batch`` at a
+        time) and enqueue their replies."""
+        if isinstance(handler, _Batch):
+            size = self.limits.invoker_batch
+            results = [r for i in range(0, len(messages), size) for r in handler.apply(tx, messages[i:i + size])]
+        else:
+            results = [handler(tx, m) for m in messages]
+        for message, result in zip(messages, results):
+            reply = self._reply(message, result)
+            if reply is not None:
+                queue("enqueue", reply)
+                tx.on_commit(self._wake)
 
     def _not_applied_before(self, queue: Enlisted, messages: list[Incoming]) -> list[Incoming]:
         """The messages whose MessageID was not applied before (under another sequence: their sender sent them
@@ -441,8 +544,8 @@ class Invoker:
             check_payload(result)  # a handler returning bad XML fails here, not forever at the sender
         record = self.destinations.record(message.identifier)
         if record is None or record.accepted_offer is None:
-            log.warning("sequence %s offered no sequence for replies: the reply to %s is dropped",
-                        message.identifier, message.message_id)
+            dropped.warn(log, "no_offer", "sequence %s offered no sequence for replies: the reply to %s is dropped",
+                         message.identifier, message.message_id)
             return None
         info = self.destinations.info(message.identifier)
         wsa = WsaVersion(info.wsa) if info is not None else WsaVersion.WSA200508

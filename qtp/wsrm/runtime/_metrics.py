@@ -86,6 +86,8 @@ class Metrics:
         self.acknowledged = counter("acknowledged", "Outbound messages acknowledged by the peer")
         self.received = counter("received", "Inbound messages stored (first receipt)")
         self.delivered = counter("delivered", "Inbound messages applied by a handler's committed transaction")
+        self.on_receipt = counter("applied_on_receipt", "Of the applied messages, those applied in the commit "
+                                  "that stored them ([limits] apply_on_receipt)")
         self.dead_lettered = counter("dead_lettered", "Inbound messages moved to the dead letters")
         sequences = Gauge("qtp_sequences_open", "Inbound sequences open", labelnames=["node"], registry=self.registry)
         sequences.labels(**labels).set_function(open_sequences)

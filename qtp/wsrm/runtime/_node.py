@@ -71,11 +71,16 @@ class HandlerTable:
     def __init__(self) -> None:
         self.requests: dict[str, Handler] = {}
         self.replies: dict[str, Handler] = {}
+        self.queued: set[str] = set()  # actions registered with on_receipt=False
 
     def for_message(self, message: Message, info: DestinationInfo | None) -> Handler | None:
         if info is not None and info.channel is not None:
             return self.replies.get(channel_name(info.channel))
         return self.requests.get(message.action)
+
+    def on_receipt(self, message: Message, info: DestinationInfo | None) -> bool:
+        """May ``message``'s handler run in the commit that stores it? (Replies: always.)"""
+        return info is not None and info.channel is not None or message.action not in self.queued
 
 
 class Node:
@@ -127,7 +132,8 @@ class Node:
                              self.mailbox, self.ownership, self.metrics, security, self.endpoint, self.mc_address,
                              self.wake, clock)
         self.invoker = Invoker(limits, self.inbound_store, self.destinations, self._table, manager.transaction,
-                               self.stores.enlisted, self.offers.inbound_finished, self.metrics, self.wake, clock)
+                               self.stores.enlisted, self.offers.inbound_finished, self.metrics, self.wake, clock,
+                               on_receipt=limits.apply_on_receipt and settings.mode == "xa")
         self.receiver = Receiver(limits, security, settings.listen_host(), self.endpoint, self.inbound_store,
                                  self.destinations, self.offers, self.sender, self.invoker,
                                  self.mailbox, self.ownership, self.metrics, self.transport, self.sender.submit,
@@ -170,23 +176,27 @@ class Node:
         """The registered request handlers, by action."""
         return self._table.requests
 
-    def handler(self, action: str) -> Callable[[Handler], Handler]:
-        """Register ``fn(tx, message)`` for messages whose WS-Addressing Action is ``action``."""
+    def handler(self, action: str, on_receipt: bool = True) -> Callable[[Handler], Handler]:
+        """Register ``fn(tx, message)`` for messages whose WS-Addressing Action is ``action``. ``on_receipt``
+        False: never run it in the commit that stores its message (docs/messaging.md, "Apply on receipt"):
+        its messages are always acknowledged first and applied by the invoker's threads."""
         def register(fn: Handler) -> Handler:
             self._registering(f"a handler for action {action!r}")
             if action in self._table.requests:
                 raise ConfigurationError(f"a handler for action {action!r} is already registered")
             self._table.requests[action] = fn
+            if not on_receipt:
+                self._table.queued.add(action)
             return fn
         return register
 
-    def batch_handler(self, action: str) -> Callable[[BatchHandler], BatchHandler]:
+    def batch_handler(self, action: str, on_receipt: bool = True) -> Callable[[BatchHandler], BatchHandler]:
         """Register ``fn(tx, messages)`` for messages whose Action is ``action``, called with consecutive
         messages of one sequence (up to ``[limits] invoker_batch``) in one transaction, so that it can write
         them with one ``executemany``. It returns None or one reply (or None) per message, in order. A batch
         that fails is retried one message at a time (``fn`` with a list of one), each with its own attempts."""
         def register(fn: BatchHandler) -> BatchHandler:
-            self.handler(action)(_Batch(fn))
+            self.handler(action, on_receipt)(_Batch(fn))
             return fn
         return register
 

@@ -407,7 +407,13 @@ class Receiver:
             record, taken = self._accept(identifier, record, arrival, now)
             accepted += taken
 
+        applied: set[int] = set()
+
         def save() -> None:
+            done = self.deliveries.receipt(seq.info, record, before, accepted)
+            if done is not None:  # stored and (its head) applied in one global transaction
+                applied.update(done)
+                return
             with self.store.local() as s:
                 self.store.store_incoming_many(s, accepted)
                 self.store.save_destination(s, seq.info, record, before=before)
@@ -418,7 +424,8 @@ class Receiver:
             self.metrics.received.inc(len(accepted))
             self.metrics.stored_batch.observe(len(accepted))
         for message in accepted:  # also when stored already, by a commit whose outcome we did not learn
-            self.deliveries.stored(identifier, message.number, message)
+            if message.number not in applied:
+                self.deliveries.stored(identifier, message.number, message)
         for arrival in group:
             if arrival.answer is None:
                 arrival.answer = self._answer(arrival.envs[-1], identifier, arrival.actions or [])

@@ -59,6 +59,10 @@ class Limits:
       ``retry_backoff_max``) instead of becoming a dead letter. Other peers' sequences go on.
     - ``invoker_batch``: consecutive messages of one sequence applied in one global transaction (all or
       none; a batch that fails is applied again one message per transaction).
+    - ``apply_on_receipt`` (``xa`` mode): a message that is next in its sequence, with nothing of the
+      sequence waiting for the invoker, is applied in the same global transaction that stores it, before it
+      is acknowledged; otherwise (or when its handler raises there, or took over 0.1 s the last time) it is
+      stored and acknowledged first and applied by the invoker's threads.
     - ``sender_threads`` / ``invoker_threads`` / ``http_threads``: worker threads.
     - Per peer (an authenticated peer, or all anonymous peers together), so that one peer cannot take
       what the others need: ``max_sequences_per_peer`` inbound sequences open at once;
@@ -142,6 +146,7 @@ class Limits:
     max_coupled_deadline: float = 300.0
     max_prepared_per_peer: int = 16
     coupled_lock_timeout: float = 5.0
+    apply_on_receipt: bool = True
 
     def backoff(self, attempts: int) -> float:
         """Seconds before attempt ``attempts + 1`` of something that failed ``attempts`` times: doubling from
@@ -262,6 +267,11 @@ def limits(table: dict[str, Any]) -> Limits:
         raise ConfigurationError(f"[limits]: unknown {sorted(unknown)}; known: {', '.join(sorted(names))}")
     values: dict[str, Any] = {}
     for key, value in table.items():
+        if names[key] in ("bool", bool):
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"[limits] {key} must be true or false, got {value!r}")
+            values[key] = value
+            continue
         kind = int if names[key] in ("int", int) else float
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigurationError(f"[limits] {key} must be a positive number, got {value!r}")
