@@ -105,6 +105,8 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
         result["cpu_ms_per_msg"] = cpu.per_message(len(latencies))
     if metrics:
         result["applied_on_receipt"] = counter(metrics, "qtp_messages_applied_on_receipt_total")
+        stores = counter(metrics, "qtp_store_messages_count")
+        result["messages_per_receiving_commit"] = round(total / stores, 2) if stores else None
     time.sleep(1.5)  # PostgreSQL publishes a backend's counters within a second of it going idle
     result["client_commits_per_msg"] = round((_commits(client_url) - commits) / total, 2)
     return result

@@ -8,6 +8,7 @@ rule, and the rollover to a new sequence.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -90,8 +91,9 @@ class Rig:
 
 
 def build(limits: Limits | None = None, peer: FakePeer | None = None, reply: bool = False, batch: bool = True,
-          lanes: int = 1, latency: float = 0.0, store: RecordingStore | None = None) -> Rig:
-    """``store``: the store of a node that ran before (a restart)."""
+          lanes: int = 1, latency: float = 0.0, store: RecordingStore | None = None, run=inline) -> Rig:
+    """``store``: the store of a node that ran before (a restart); ``run``: how work leaves the tick (at
+    once, on the caller's thread, by default)."""
     limits = limits or Limits()
     clock, store, peer = FakeClock(), store or RecordingStore(), peer or FakePeer()
     channels = {"out": ChannelSettings("out", peer=PEER, mode="memory", reply=reply, batch=batch, lanes=lanes)}
@@ -102,7 +104,7 @@ def build(limits: Limits | None = None, peer: FakePeer | None = None, reply: boo
     sender = Sender(limits, channels, OneStore(store), sources, offers, transport,  # type: ignore[arg-type]
                     Mailbox(limits, metrics, sources, destinations, None, clock),
                     Ownership(destinations, sources, channels, security, metrics), metrics, security, ME, None,
-                    wake, clock, run=inline)
+                    wake, clock, run=run)
     return Rig(sender, store, clock, transport, peer, sources, destinations, offers, wake)
 
 
@@ -205,6 +207,47 @@ def test_an_acknowledgement_and_the_next_numbers_of_its_sequence_cost_one_save()
     assert rig.numbered(seq.key) == {3: ids[2], 4: more[0], 5: more[1]}
     assert seq.machine.record.acked == ((1, 2),)
     assert rig.peer.received[seq.identifier] == [1, 2, 3, 4, 5]
+
+
+def test_messages_committed_while_a_request_is_in_flight_are_numbered_together_when_it_ends():
+    """Numbered at once, they would only wait in the pump behind the request in flight: at one sending thread
+    that cost a numbering transaction per message. They wait unnumbered; the end of the request wakes the
+    sender, and one transaction numbers them all for the next request."""
+    in_flight, release = threading.Event(), threading.Event()
+    pumps: list[threading.Thread] = []
+
+    def run(fn, *args) -> None:
+        pumps.append(threading.Thread(target=fn, args=args))
+        pumps[-1].start()
+
+    rig = build(run=run)
+    peer = rig.peer
+
+    def slow(url: str, envelopes: list[Envelope]) -> Answer:
+        if any(env.sequence is not None for env in envelopes):
+            in_flight.set()
+            assert release.wait(10)
+        return peer(url, envelopes)
+
+    rig.transport.handler = slow
+    first = rig.enqueue(1)
+    rig.tick()
+    assert in_flight.wait(10)
+    seq = rig.only()
+    assigns, wakes = rig.store.calls["assign"], rig.wake.calls
+    more = rig.enqueue(3)
+    rig.tick()
+    assert rig.store.calls["assign"] == assigns and rig.numbered(seq.key) == {1: first[0]}  # waiting, unnumbered
+    release.set()
+    for pump in pumps:
+        pump.join(10)
+    assert rig.wake.calls > wakes  # the end of the request asks for a tick
+    rig.tick()
+    for pump in pumps:
+        pump.join(10)
+    assert rig.store.calls["assign"] == assigns + 1
+    assert {n: m for n, m in rig.numbered(seq.key).items() if n > 1} == {2: more[0], 3: more[1], 4: more[2]}
+    assert rig.peer.received[seq.identifier] == [1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------------- retransmission

@@ -17,6 +17,9 @@ Transmission. Each sequence has one *pump*: the numbers the machine asks to tran
 sends them in number order, one request at a time, so a destination that discards a message arriving after
 a gap (gSOAP at its defaults) sees none. When the destination agreed to qtp's batching extension at
 CreateSequence (``SourceRecord.peer_batch``), one request carries up to that many messages; otherwise one.
+Messages committed while a request of their sequence is in flight stay unnumbered (``Outbound.deferred``):
+numbered at once they would only wait in the pump, and at one sending thread that cost a numbering
+transaction per message; the end of the request wakes the sender, which numbers them all in one.
 Messages just numbered are kept in memory for their first transmission and retransmissions (dropped once
 acknowledged); after a restart they are read back from the store. The retransmission timeout comes from
 the measured round-trip time of first transmissions (RFC 6298, Karn's rule).
@@ -237,6 +240,10 @@ class Sender:
         seq = self._sequence_for(route, now)
         if seq is None:
             return
+        with seq.io:
+            if seq.pump.running:  # numbered now, they would wait in the pump: number them together when it ends
+                seq.deferred = True
+                return
         record = seq.machine.record
         ack = acks.get(seq)
         unacknowledged = len(record.pending) if ack is None else \
@@ -467,6 +474,9 @@ class Sender:
                 with seq.io:
                     if not pump.waiting or self.sources.get(seq.key) is not seq:
                         pump.running = False
+                        if seq.deferred:  # messages committed meanwhile: the next tick numbers them
+                            seq.deferred = False
+                            self.wake()
                         return
                     size = record.peer_batch if self._batching(seq.info) else 1
                     batch = [pump.waiting.pop(n) for n in sorted(pump.waiting)[:size]]

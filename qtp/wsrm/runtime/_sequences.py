@@ -79,7 +79,7 @@ class Durable:
 class Outbound(Durable):
     """Our RM Source ``key``: where it goes (``info``), its machine, and its transmission state."""
 
-    __slots__ = ("key", "info", "pump", "cache", "rtt", "polled")
+    __slots__ = ("key", "info", "pump", "cache", "rtt", "polled", "deferred")
 
     def __init__(self, info: SourceInfo, record: SourceRecord, limits: Any):
         super().__init__(SourceSequence(record))
@@ -90,6 +90,7 @@ class Outbound(Durable):
         self.rtt = RoundTrip(limits.retransmit_interval, limits.retransmit_interval_min,
                              limits.retransmit_interval_max)  # (io)
         self.polled = False  # offered: a poll took something of it since its last event
+        self.deferred = False  # (io) new messages wait unnumbered for its request in flight to end
 
     @property
     def offered(self) -> bool:
