@@ -60,7 +60,7 @@ from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres, free_port  # noqa: E
 from qtp.testing.coupled_nodes import (MixedRecipient, accounts_schema, expected_view, judge,  # noqa: E402
                                        judge_mixed, node_ids, settled, write_configs)
 from qtp.testing.lossy_proxy import LossyProxy  # noqa: E402
-from qtp.testing.nodes import NodeProcess, reconcile_report, rows  # noqa: E402
+from qtp.testing.nodes import NodeProcess, reconcile_reports, rows  # noqa: E402
 
 APP = "qtp.testing.coupled_app:node"
 # role -> (database server, coupling, refusal rule: K % rule == 0 is refused; 0 never)
@@ -255,9 +255,10 @@ def run_once(args: argparse.Namespace, servers: dict, out: Path, seed: int) -> d
     spark = {}
     if args.spark:
         chosen = args.spark_only.split(",") if args.spark_only else list(client)
-        spark = {role: reconcile_report(out / f"reconcile-{role}.json", urls["a"], table, urls[role], "accounts",
-                                        "--server-compensated", "status=closed")
-                 for role, table in client.items() if role in chosen}
+        roles = [role for role in client if role in chosen]
+        reports = reconcile_reports([(out / f"reconcile-{role}.json", urls["a"], client[role], urls[role], "accounts",
+                                      "--server-compensated", "status=closed") for role in roles])
+        spark = dict(zip(roles, reports))  # one Spark driver for every recipient
     logs = log_summary(out)
     result = {"fanout": args.fanout, "transactions": args.transactions, "kills": len(kills), "loss": args.loss,
               "seed": seed, "within_s": args.within, "max_attempts": max_attempts, "threads": args.threads,

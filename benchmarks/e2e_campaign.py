@@ -29,7 +29,7 @@ from pathlib import Path
 
 from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres, free_port
 from qtp.testing.lossy_proxy import LossyProxy
-from qtp.testing.nodes import (NodeProcess, Pair, client_schema, listening_ports, reconcile_report, rows,
+from qtp.testing.nodes import (NodeProcess, Pair, client_schema, listening_ports, reconcile_reports, rows,
                                server_schema)
 
 ABORT_EVERY = 13
@@ -162,10 +162,6 @@ def _drain(c: Campaign, pair: Pair, nodes: dict[str, NodeProcess], proxies: list
     return {"orders": last[0], "applied": last[1], "replies": last[2], "drained": time.monotonic() < deadline}
 
 
-def _reconcile(c: Campaign, pair: Pair, server_table: str, server_url: str, name: str) -> dict:
-    return reconcile_report(c.out / f"reconcile-{name}.json", pair.client_app, "orders", server_url, server_table)
-
-
 def run(args: argparse.Namespace) -> int:
     tag = f"{args.mode}_{args.seed}_{int(time.time())}"
     out = Path(args.out or f".qtp/campaign/{tag}")
@@ -203,8 +199,11 @@ def run(args: argparse.Namespace) -> int:
         for proxy in proxies:
             proxy.stop()
     try:
-        requests_report = _reconcile(c, pair, "applied", pair.server_app, "requests")
-        replies_report = _reconcile(c, pair, "replies", pair.client_app, "replies") if args.reply else None
+        jobs = [(c.out / "reconcile-requests.json", pair.client_app, "orders", pair.server_app, "applied")]
+        if args.reply:
+            jobs.append((c.out / "reconcile-replies.json", pair.client_app, "orders", pair.client_app, "replies"))
+        reports = reconcile_reports(jobs)  # one Spark driver for both
+        requests_report, replies_report = reports[0], reports[1] if args.reply else None
     finally:
         if args.stop_databases:
             pg.stop()

@@ -350,17 +350,21 @@ def check_exactly_once(client_url: str, server_url: str, reply: bool, failed: se
     return {"committed": len(committed), "applied": len(applied), "sequences": len(by_sequence)}
 
 
-def reconcile_report(report: Path, client_url: str, client_table: str, server_url: str, server_table: str,
-                     *extra: str) -> dict:
-    """Run ``qtp reconcile`` (Spark) on the key ``k`` with the client's ``status`` column, in its own process;
-    return its JSON report (a campaign's verdict). ``extra``: more options (``--server-compensated ...``)."""
+def reconcile_reports(jobs: list[tuple[Any, ...]]) -> list[dict]:
+    """Run ``qtp reconcile`` (Spark) on the key ``k`` with the client's ``status`` column for each job
+    ``(report, client_url, client_table, server_url, server_table, *extra options)``, one after the other in
+    one process of their own (the first starts the Spark driver, a JVM, 10-20 s of CPU on this kind of
+    machine; the others reuse it); return their JSON reports (a campaign's verdicts)."""
     import json
 
-    command = [sys.executable, "-m", "qtp", "reconcile", "--client-url", client_url, "--client-table", client_table,
-               "--server-url", server_url, "--server-table", server_table, "--key", "k",
-               "--client-status-column", "status", *extra, "--json", str(report), "--quiet",
-               "--conf", "spark.ui.enabled=false"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode not in (0, 1) or not report.exists():
+    argvs = [["--client-url", client_url, "--client-table", client_table, "--server-url", server_url,
+              "--server-table", server_table, "--key", "k", "--client-status-column", "status", *extra,
+              "--json", str(report), "--quiet", "--conf", "spark.ui.enabled=false"]
+             for report, client_url, client_table, server_url, server_table, *extra in jobs]
+    program = ("import json, sys\nfrom qtp.reconcile.cli import main\n"
+               "sys.exit(max(main(argv) for argv in json.loads(sys.argv[1])))")
+    done = subprocess.run([sys.executable, "-c", program, json.dumps(argvs)], capture_output=True, text=True)
+    reports = [Path(job[0]) for job in jobs]
+    if done.returncode not in (0, 1) or not all(report.exists() for report in reports):
         raise SystemExit(f"qtp reconcile failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(report.read_text())
+    return [json.loads(report.read_text()) for report in reports]
