@@ -473,18 +473,22 @@ class Sender:
                 record = seq.machine.record
                 with seq.io:
                     if not pump.waiting or self.sources.get(seq.key) is not seq:
-                        pump.running = False
-                        if seq.deferred:  # messages committed meanwhile: the next tick numbers them
-                            seq.deferred = False
-                            self.wake()
+                        self._stopped(seq)
                         return
                     size = record.peer_batch if self._batching(seq.info) else 1
                     batch = [pump.waiting.pop(n) for n in sorted(pump.waiting)[:size]]
                 self._transmit(seq, record, batch)
         except BaseException:
             with seq.io:
-                pump.running = False
+                self._stopped(seq)
             raise
+
+    def _stopped(self, seq: Outbound) -> None:
+        """The pump of ``seq`` ends (``io`` held); messages committed meanwhile are numbered at the next tick."""
+        seq.pump.running = False
+        if seq.deferred:
+            seq.deferred = False
+            self.wake()
 
     def _batching(self, info: SourceInfo) -> bool:
         channel = self.channels.get(channel_name(info.route))
