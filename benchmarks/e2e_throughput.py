@@ -11,6 +11,8 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
   requests refused: docs/security.md), what signing costs;
 - (r) as (a), request-reply: the server's handler answers each order, the client applies each reply in a
   transaction (replies/s reported beside);
+- (p) as (r), with a client that has no endpoint: it listens on no port and fetches its replies (and the
+  acknowledgements of its orders) by polling the server with WS-MakeConnection;
 - (s) **the strong baseline**, what a user would hand-write: an ``outbox`` row written in the client's
   local transaction; one relay thread takes up to 500 rows (``FOR UPDATE SKIP LOCKED``, in id order),
   sends them in one POST (JSON), and deletes them on a 200 in the same transaction; the server inserts the
@@ -55,7 +57,8 @@ from qtp.testing.nodes import NodeProcess, Pair, client_schema, counter, create,
 HERE = Path(__file__).resolve().parent
 PAD = 1000 - len('<order xmlns="urn:test" k="12345"></order>')
 LABELS = {"a": "qtp xa, queues co-located", "A": "qtp xa, co-located, authenticated peers", "b": "qtp xa, queues in the other db",
-          "r": "qtp xa, co-located, request-reply", "s": "strong outbox baseline", "c": "serial outbox baseline"}
+          "r": "qtp xa, co-located, request-reply", "p": "qtp xa, request-reply, client polls",
+          "s": "strong outbox baseline", "c": "serial outbox baseline"}
 STRONG_BATCH = 500
 
 
@@ -128,12 +131,13 @@ def _databases_cpu(pg, maria) -> dict[str, int | None]:
 
 def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, tag: str,
             rate: float | None = None, batch_handler: bool = False, reply: bool = False,
-            secret: str | None = None, profile: Path | None = None) -> dict:
+            secret: str | None = None, profile: Path | None = None, polls: bool = False) -> dict:
     client_app, server_app = _fresh(pg, f"tc_{tag}"), _fresh(maria, f"ts_{tag}")
     client_schema(client_app)
     server_schema(server_app)
     stores = {"client_store": _fresh(maria, f"tcs_{tag}"), "server_store": _fresh(pg, f"tss_{tag}")} if other else {}
-    pair = Pair(client_app, server_app, reply=reply, secret=secret, **stores)
+    pair = Pair(client_app, server_app, reply=reply, secret=secret, client_listens=not polls,
+                acks_to="poll" if polls else "anonymous", **stores)
     run = folder / tag
     run.mkdir(parents=True, exist_ok=True)
     client_config, server_config = pair.write(run)
@@ -293,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_outbox(pg, maria, folder, args.messages, threads, tag, variant == "s", args.rate)
                 else:
                     r = run_qtp(pg, maria, folder, args.messages, threads, variant == "b", tag, args.rate,
-                                args.batch_handler, reply=variant == "r",
+                                args.batch_handler, reply=variant in ("r", "p"), polls=variant == "p",
                                 secret=secrets.token_urlsafe(32) if variant == "A" else None,
                                 profile=args.profile)
                 r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate,
@@ -323,7 +327,7 @@ def summarise(results: list[dict]) -> dict:
                     for proc in runs[0].get("cpu_ms_per_msg", {})}
         for base in ("s", "c"):
             if base in row and row[base]["rate"]:
-                for variant in ("a", "b", "r"):
+                for variant in ("a", "b", "r", "p"):
                     if variant in row:
                         row[variant][f"ratio_to_{base}"] = round(row[variant]["rate"] / row[base]["rate"], 2)
         summary[threads] = row
