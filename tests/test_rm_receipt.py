@@ -25,7 +25,7 @@ from qtp.wsrm.runtime._settings import ChannelSettings, limits as parse_limits
 
 from test_rm_transfer import _items
 
-ACTION = "urn:qtp:test/receipt"
+ACTION = "urn:qtp:test/a"
 
 
 def _execute(url: str, *statements: str) -> None:
@@ -58,13 +58,17 @@ def _stored_rows(url: str) -> int:
 
 
 def _receiver(url: str, logs: Path, handler: Callable[[Any, Any], None], limits: Limits | None = None,
-              on_receipt: bool = True) -> Node:
+              on_receipt: bool = True, queued_too: str | None = None) -> Node:
+    """A started node whose ``handler`` takes ACTION (and, with ``queued_too``, that action, registered with
+    on_receipt=False)."""
     _execute(url, "CREATE TABLE items (n INTEGER NOT NULL)")
     tm = qtp.TransactionManager(f"r-{uuid.uuid4().hex[:6]}", logs, recovery_interval=None)
     tm.add_resource("app", url)
     node = Node(tm, NodeSettings(endpoint=f"http://127.0.0.1:{free_port()}/rm", store="app",
                                  limits=limits or Limits()))
     node.handler(ACTION, on_receipt=on_receipt)(handler)
+    if queued_too is not None:
+        node.handler(queued_too, on_receipt=False)(handler)
     node.start()
     _count_stored_rows(url)
     return node
@@ -222,3 +226,39 @@ def test_a_message_that_arrives_before_the_one_it_follows_waits_and_order_is_kep
     wait_until(lambda: len(_items(url)) >= 3, 30, "3 applied")
     assert order == [1, 2, 3] and _items(url) == [1, 2, 3]
     assert _stored_rows(url) == 1  # only 2, which came before 1
+
+
+def test_an_action_registered_not_on_receipt_stays_off_it_in_a_request_that_mixes_actions(pg_db, tmp_path, nodes):
+    """One function handles two actions, one of them registered with on_receipt=False: in a batch that mixes
+    them, only the other action's messages may run in the receiving commit (found by an outside tester: the
+    head of a request was checked by its first message's action only)."""
+    url = pg_db("receiver")
+    threads: dict[str, set[str]] = {"a": set(), "b": set()}
+
+    def handler(tx, message):
+        threads[message.action[-1]].add(threading.current_thread().name)
+        _insert(tx, message)
+
+    node = _receiver(url, tmp_path / "r", handler, queued_too="urn:qtp:test/b")  # one function, two actions
+    nodes.append(node)
+    tm = qtp.TransactionManager(f"s-{uuid.uuid4().hex[:6]}", tmp_path / "s", recovery_interval=None)
+    tm.add_resource("app", pg_db("sender"))
+    sender = Node(tm, NodeSettings(store="app", channels={"out": ChannelSettings("out", peer=node.endpoint,
+                                                                                  store="app")})).start()
+    nodes.append(sender)
+    qtp.install(sender.manager)
+
+    def send(start: int) -> None:
+        for i in range(start, 240, 6):
+            with qtp.transaction() as tx:
+                tx.send("out", f"<i>{i}</i>".encode(), action="urn:qtp:test/b" if i % 16 == 9 else ACTION)
+
+    workers = [threading.Thread(target=send, args=(k,)) for k in range(6)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    wait_until(lambda: len(_items(url)) >= 240, 60, "240 applied")
+    assert _items(url) == list(range(240))
+    assert threads["b"] and all(name.startswith("qtp-invoker") for name in threads["b"]), threads["b"]
+    assert any(not name.startswith("qtp-invoker") for name in threads["a"])  # and the others on receipt

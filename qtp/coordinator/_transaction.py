@@ -274,8 +274,10 @@ class Transaction:
 
         The message exists if and only if this transaction commits; the node's sender then delivers it
         reliably (WS-ReliableMessaging). Needs a node with channels (``[channels.NAME]`` in qtp.toml).
-        Messages with the same ``key`` are applied in commit order; on a channel with ``lanes > 1``,
-        different keys may overtake each other; messages without a key share lane 0.
+        A message with a ``key`` is applied after every message with that key whose transaction committed
+        before this call (so one thread's messages keep commit order; two transactions that both send
+        before either commits may go either way); on a channel with ``lanes > 1``, different keys may
+        overtake each other; messages without a key share lane 0.
         """
         node = getattr(self.manager, "node", None)
         if node is None:

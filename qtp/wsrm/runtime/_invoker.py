@@ -434,8 +434,8 @@ class Invoker:
         head: list[Incoming] = []
         for m in messages:  # the whole request: a rest left over would make the invoker take the next ones
             if m.number != expected + len(head) or m.payload is None or m.attempts or m.not_before \
-                    or self.handlers.for_message(m, info) is not handler:
-                break
+                    or self.handlers.for_message(m, info) is not handler or not self.handlers.on_receipt(m, info):
+                break  # (one function may serve an action on receipt and another not: each message's own say)
             head.append(m)
         if waiting and head and waiting[0][0] <= head[-1].number:
             return [], None  # (cannot be: the invoker has what the head brings) the invoker's, then

@@ -227,7 +227,7 @@ class Node:
     def enqueue(self, tx: Any, channel: str, payload: bytes | str, action: str, message_id: str | None = None,
                 key: str | None = None) -> str:
         """Enqueue ``payload`` on ``channel`` inside transaction ``tx``: what ``tx.send`` does (the one way an
-        application sends); messages with the same ``key`` travel in one lane, in commit order."""
+        application sends); messages with the same ``key`` travel in one lane (order: docs/messaging.md, "Lanes")."""
         settings = self.channels.get(channel)
         if settings is None:
             known = ", ".join(sorted(self.channels)) or "none"
