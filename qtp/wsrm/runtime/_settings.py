@@ -60,9 +60,9 @@ class Limits:
     - ``invoker_batch``: consecutive messages of one sequence applied in one global transaction (all or
       none; a batch that fails is applied again one message per transaction).
     - ``apply_on_receipt`` (``xa`` mode): a message that is next in its sequence, with nothing of the
-      sequence waiting for the invoker, is applied in the same global transaction that stores it, before it
-      is acknowledged; otherwise (or when its handler raises there, or took over 0.1 s the last time) it is
-      stored and acknowledged first and applied by the invoker's threads.
+      sequence in the invoker's hands, is applied in the same global transaction that stores it, before it
+      is acknowledged; otherwise (or when its handler raises there, or took over 0.1 s per message there in
+      the last 10 s) it is stored and acknowledged first and applied by the invoker's threads.
     - ``sender_threads`` / ``invoker_threads`` / ``http_threads``: worker threads.
     - Per peer (an authenticated peer, or all anonymous peers together), so that one peer cannot take
       what the others need: ``max_sequences_per_peer`` inbound sequences open at once;
