@@ -402,14 +402,8 @@ class Invoker:
         for message in head:
             self.metrics.delivered.inc()
             self.metrics.latency.observe(max(0.0, now - (message.enqueued_at or message.received_at)))
-        actions: list[Any] = []
-        with self._mutex:  # as if handed out and committed: messages stored beyond them are handed out next
-            machine = self._buffer(identifier)
-            for number in numbers:
-                machine = self._machines[identifier] = InvokerBuffer(replace(
-                    machine.record, stored=ranges.add(machine.record.stored, number),
-                    in_flight=(*machine.record.in_flight, number)))
-                actions.extend(machine.handle(DeliveryCommitted(number)))
+        with self._mutex:  # messages stored beyond them are handed out next
+            actions = self._commit_unhanded(identifier, numbers)
         self._dispatch(actions)
         return set(numbers)
 
@@ -419,7 +413,7 @@ class Invoker:
         if first.identifier == REDELIVERY or info is None:
             return [], None
         handler = self.handlers.for_message(first, info)
-        if handler is None or not self.handlers.on_receipt(first, info):
+        if handler is None:
             return [], None
         if handler in self._slow:
             if self._slow[handler] > self.clock.monotonic():
@@ -573,14 +567,23 @@ class Invoker:
                     pending.extend(machine.handle(DeliveryCommitted(action.number)))
                 else:
                     actions.append(action)
-            for extra in sorted(done):
-                # Applied by the batch before the receiver's MessageStored for it reached this machine (the
-                # store commit comes first): hand it out now so that the commit is legal in the machine.
-                machine = self._machines[identifier] = InvokerBuffer(replace(
-                    machine.record, stored=ranges.add(machine.record.stored, extra),
-                    in_flight=(*machine.record.in_flight, extra)))
-                actions.extend(machine.handle(DeliveryCommitted(extra)))
+            # Applied by the batch before the receiver's MessageStored for them reached this machine (the store
+            # commit comes first)
+            actions.extend(self._commit_unhanded(identifier, sorted(done)))
         self._dispatch(actions)
+
+    def _commit_unhanded(self, identifier: str, numbers: list[int]) -> list[Any]:
+        """``numbers`` of ``identifier`` committed without the machine having handed them out (``_mutex`` held):
+        each is marked stored and handed out first, so that the commit is legal in the machine; the actions
+        that follow (the next numbers handed out)."""
+        actions: list[Any] = []
+        machine = self._buffer(identifier)
+        for number in numbers:
+            machine = self._machines[identifier] = InvokerBuffer(replace(
+                machine.record, stored=ranges.add(machine.record.stored, number),
+                in_flight=(*machine.record.in_flight, number)))
+            actions.extend(machine.handle(DeliveryCommitted(number)))
+        return actions
 
     def _abort(self, identifier: str, number: int, at: float) -> None:
         with self._mutex:
