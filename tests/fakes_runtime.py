@@ -26,7 +26,15 @@ from typing import Any, Callable, Iterator
 from sqlalchemy.exc import OperationalError
 
 from qtp.errors import TransportError
-from qtp.wsrm.codec import BATCH_CONTENT_TYPE, Envelope, SoapVersion, decode, decode_batch, default_action
+from qtp.wsrm.codec import (
+    BATCH_CONTENT_TYPE,
+    Envelope,
+    SoapVersion,
+    decode,
+    decode_batch,
+    default_action,
+    encode_batch,
+)
 from qtp.wsrm.protocol import (
     CloseSequence,
     CloseSequenceResponse,
@@ -74,6 +82,7 @@ class Request:
 
     url: str
     envelopes: list[Envelope]
+    accept: str | None = None  # the Accept header (a poll's, naming the batch it takes)
 
     @property
     def messages(self) -> list[tuple[str, int]]:
@@ -98,8 +107,8 @@ class FakeTransport:
         self.lose_answer: Callable[[Request], bool] = lambda request: False
         self.requests: list[Request] = []
 
-    def post(self, url: str, data: bytes, soap: SoapVersion, action: str | None) -> Reply:
-        return self._deliver(Request(url, [decode(data)]))
+    def post(self, url: str, data: bytes, soap: SoapVersion, action: str | None, accept: str | None = None) -> Reply:
+        return self._deliver(Request(url, [decode(data)], accept))
 
     def post_raw(self, url: str, data: bytes, content_type: str) -> Reply:
         assert content_type == BATCH_CONTENT_TYPE
@@ -114,6 +123,8 @@ class FakeTransport:
         answer = self.handler(request.url, request.envelopes)
         if self.lose_answer(request):
             raise TransportError(f"the answer from {request.url} lost (fake)")
+        if answer.batch:
+            return Reply(answer.status, BATCH_CONTENT_TYPE, encode_batch(list(answer.batch)))
         body = b"" if answer.envelope is None else wire(answer.envelope)
         return Reply(answer.status, "application/soap+xml", body)
 

@@ -28,13 +28,16 @@ from qtp.testing.nodes import (
     wait_until,
 )
 from qtp.wsrm.codec import (
+    BATCH_CONTENT_TYPE,
     MISSING_SELECTION,
     UNSUPPORTED_SELECTION,
     Envelope,
     MakeConnection,
     WsaVersion,
     anonymous,
+    batch_accept,
     decode,
+    decode_batch,
     encode,
     mc_anonymous,
     mc_id,
@@ -123,10 +126,12 @@ def _poll_bytes(url: str, poll: MakeConnection) -> bytes:
     return encode(request(poll, to=url))
 
 
-def _poll(url: str, body: MakeConnection | Envelope | bytes, as_peer: str | None = "mallory") -> requests.Response:
+def _poll(url: str, body: MakeConnection | Envelope | bytes, as_peer: str | None = "mallory",
+          accept: str | None = None) -> requests.Response:
     """POST a MakeConnection (or another request, or raw bytes) to the server, signed as ``as_peer`` (None:
-    anonymous)."""
-    return post_as(url, request(body, to=url) if isinstance(body, MakeConnection) else body, as_peer, MALLORY)
+    anonymous), with ``accept`` as its Accept header."""
+    return post_as(url, request(body, to=url) if isinstance(body, MakeConnection) else body, as_peer, MALLORY,
+                   accept=accept)
 
 
 def test_polls_for_another_peers_client_or_without_selection_get_nothing(polling_pair):
@@ -141,8 +146,8 @@ def test_polls_for_another_peers_client_or_without_selection_get_nothing(polling
     (info,) = [i for (i,) in rows(pair.server_app, "SELECT info FROM qtp_rm_source")]
     address = json.loads(info)["peer"]
     assert mc_id(address) is not None
-    for _ in range(3):
-        answer = _poll(url, MakeConnection(address))
+    for accept in (None, batch_accept(256, 1 << 22), None):
+        answer = _poll(url, MakeConnection(address), accept=accept)
         assert answer.status_code == 202 and not answer.content  # held for the client's peer, not for mallory
     assert _poll(url, MakeConnection(address), as_peer=None).status_code == 401  # this server takes no anonymous
     selected = _poll_bytes(url, MakeConnection(mc_anonymous("urn:x")))
@@ -154,6 +159,44 @@ def test_polls_for_another_peers_client_or_without_selection_get_nothing(polling
     huge = selected.replace(b"urn:x", b"urn:" + b"x" * 3000)
     assert _poll(url, huge).status_code == 400
     _finish(pair, 30)
+
+
+def _poll_answers(metrics: str) -> tuple[float, float]:
+    """(polls the server answered with messages, messages it gave on them): ``qtp_poll_messages``'s count and
+    sum."""
+    return counter(metrics, "qtp_poll_messages_count") or 0.0, counter(metrics, "qtp_poll_messages_sum") or 0.0
+
+
+def test_a_polling_qtp_client_fetches_what_waits_in_batches(polling_pair):
+    """The client polls every 2 s while 40 orders' replies are made: each poll brings every reply that waits
+    (qtp's batch answer, asked for in the poll's Accept header), not one per poll as a foreign poller gets
+    them; the polls answered with messages are fewer than the replies, and every reply counts once."""
+    pair, client, server = polling_pair(send=40, rate=40, limits="poll_interval_min = 2\npoll_interval_max = 2")
+    _finish(pair, 40)
+    metrics = f"http://127.0.0.1:{server.port}/metrics"
+    polls, given = _poll_answers(metrics)
+    assert given >= 40 and polls < given / 3, (polls, given)
+
+
+def test_a_poll_that_takes_a_batch_gets_standard_envelopes_framed_as_a_batch(polling_pair):
+    """What a qtp poller is given, read raw: the batch's parts are each a standard WS-RM message of the
+    offered sequence, in order, MessagePending true (more wait). (No secrets here: the client is an anonymous
+    peer on loopback, and so is this poll.)"""
+    pair, client, server = polling_pair(send=12, secret=None, limits="poll_interval_min = 30\npoll_interval_max = 30")
+    url, metrics = f"http://127.0.0.1:{server.port}/rm", f"http://127.0.0.1:{server.port}/metrics"
+    wait_until(lambda: (counter(metrics, "qtp_polling_client_messages") or 0) >= 12, 60, "12 replies held")
+    (info,) = [i for (i,) in rows(pair.server_app, "SELECT info FROM qtp_rm_source")]
+    address = json.loads(info)["peer"]
+    answer = _poll(url, MakeConnection(address), as_peer=None, accept=batch_accept(5, 1 << 20))
+    assert answer.status_code == 200 and answer.headers["Content-Type"] == BATCH_CONTENT_TYPE
+    parts = [decode(part) for part in decode_batch(answer.content, 100)]
+    assert [p.sequence.number for p in parts] == [1, 2, 3, 4, 5]
+    assert [p.message_pending for p in parts] == [True] * 5
+    assert len({p.sequence.identifier for p in parts}) == 1
+    single = _poll(url, MakeConnection(address), as_peer=None)  # no Accept: one standard envelope
+    assert single.headers["Content-Type"].startswith("application/soap+xml")
+    assert decode(single.content).sequence.number == 6
+    _finish(pair, 12)  # the client's own polls fetch them all again, and every reply counts once
 
 
 def test_acknowledgements_for_a_wsmc_acks_to_are_fetched_by_address_or_by_sequence(polling_pair):

@@ -16,12 +16,15 @@ from qtp.wsrm.codec import (
     MAKE_CONNECTION_ACTION,
     MISSING_SELECTION,
     Addressing,
+    BatchRoom,
     CheckedPayload,
     Envelope,
     MakeConnection,
     SoapFault,
     SoapVersion,
     WsaVersion,
+    accepted_batch,
+    decode,
     mc_anonymous,
     mc_id,
 )
@@ -41,6 +44,7 @@ from qtp.wsrm.runtime._mailbox import Mailbox, Poller
 from qtp.wsrm.runtime._metrics import Metrics
 from qtp.wsrm.runtime._ownership import Source
 from qtp.wsrm.runtime._security import Security
+from qtp.wsrm.runtime._transport import wire
 from qtp.wsrm.runtime._sequences import Destinations, Inbound, Outbound, Sources
 from qtp.wsrm.runtime._settings import ChannelSettings, Limits
 from qtp.wsrm.store import DestinationInfo, SourceInfo
@@ -69,9 +73,9 @@ class Box:
     def hold_ack(self, *numbers: int) -> None:
         self.mailbox.hold(ALICE, CLIENT, acknowledgement(self.inbound, *numbers))
 
-    def poll(self, caller: str | None = ALICE, identifier: str | None = None) -> Answer:
+    def poll(self, caller: str | None = ALICE, identifier: str | None = None, room: BatchRoom | None = None) -> Answer:
         body = MakeConnection(mc_anonymous(CLIENT), identifier)
-        return self.mailbox.answer(poll_of(body), body, caller)
+        return self.mailbox.answer(poll_of(body), body, caller, room)
 
     def acknowledged(self, *numbers: int) -> None:
         """The peer acknowledged ``numbers`` of ``out`` (the sender applied it)."""
@@ -205,6 +209,64 @@ def test_a_poll_without_a_selection_is_a_fault():
     assert isinstance(got.envelope.body, SoapFault) and got.envelope.body.subcode == MISSING_SELECTION
 
 
+def batch_numbers(answer_: Answer) -> list[tuple[int, bool]]:
+    """(message number, MessagePending) of each envelope of a batch answer, decoded from its bytes."""
+    assert answer_.status == 200 and answer_.batch
+    envelopes = [decode(part) for part in answer_.batch]
+    assert envelopes[0].sequence == answer_.envelope.sequence
+    return [(e.sequence.number, e.message_pending) for e in envelopes]
+
+
+def test_a_poll_that_takes_a_batch_gets_every_held_message_in_order_with_the_acknowledgements_on_the_first():
+    b = box(pending=5)
+    b.hold(4, 2, 5, 1, 3)
+    b.hold_ack(1, 2)
+    got = b.poll(room=BatchRoom(256, 1 << 20))
+    assert batch_numbers(got) == [(1, True), (2, True), (3, True), (4, True), (5, False)]
+    first, *rest = [decode(part) for part in got.batch]
+    assert [a.identifier for a in first.acks] == [b.inbound] and all(not e.acks for e in rest)
+    assert all(e.addressing.to == mc_anonymous(CLIENT) for e in rest)
+    assert b.poll(room=BatchRoom(256, 1 << 20)) is NOTHING  # each was given out just now
+    b.clock.advance(b.limits.retransmit_interval)
+    assert [n for n, _ in batch_numbers(b.poll(room=BatchRoom(256, 1 << 20)))] == [1, 2, 3, 4, 5]  # not acknowledged
+    assert b.poll(room=BatchRoom(256, 1 << 20)) is NOTHING  # (the acknowledgement went once)
+
+
+def test_a_batch_answer_stops_at_the_pollers_count_and_the_rest_goes_on_the_next_poll():
+    b = box(pending=5)
+    b.hold(1, 2, 3, 4, 5)
+    assert batch_numbers(b.poll(room=BatchRoom(2, 1 << 20))) == [(1, True), (2, True)]
+    assert batch_numbers(b.poll(room=BatchRoom(2, 1 << 20))) == [(3, True), (4, True)]
+    assert numbers(b.poll(room=BatchRoom(2, 1 << 20))) == (5, False)  # one left: a standard envelope
+
+
+def test_messages_that_do_not_fit_the_bytes_are_given_at_the_next_poll_not_after_the_retransmit_interval():
+    b = box(pending=4)
+    b.hold(1, 2, 3, 4)
+    whole = b.poll(room=BatchRoom(256, 1 << 20))
+    assert len(whole.batch) == 4
+    b.clock.advance(b.limits.retransmit_interval)  # none acknowledged: all are given again
+    two = BatchRoom(256, BatchRoom(256, 0).framed(list(whole.batch[:2])) + 50)
+    assert batch_numbers(b.poll(room=two)) == [(1, True), (2, True)]  # 3 and 4 did not fit: more waits
+    got = b.poll(room=two)  # at once: the clock has not moved
+    assert [n for n, _ in batch_numbers(got)] == [3, 4] and two.framed(list(got.batch)) <= two.size
+
+
+def test_a_batch_room_of_one_message_or_a_foreign_poll_gets_a_standard_envelope():
+    b = box()
+    b.hold(1, 2)
+    single = b.poll(room=BatchRoom(256, 10))  # room for less than one: the first goes alone, as for anyone
+    assert single.batch == () and numbers(single) == (1, True)
+    assert numbers(b.poll()) == (2, False)
+
+
+def test_another_peers_poll_that_takes_a_batch_gets_nothing():
+    b = box()
+    b.hold(1, 2)
+    assert b.poll(caller=BOB, room=BatchRoom(256, 1 << 20)) is NOTHING
+    assert len(b.poll(caller=ALICE, room=BatchRoom(256, 1 << 20)).batch) == 2
+
+
 # ---------------------------------------------------------------------- the poller
 
 @dataclass
@@ -219,10 +281,13 @@ class Polling:
     handled: list[tuple[Envelope, Source]]
     polls: list[Envelope]
     posted: list[Envelope]
+    batches: list[int]  # the size of each batch handed to the receiver at once
 
 
-def polling() -> Polling:
-    server = box()
+def polling(server_batches: bool = True, limits: Limits | None = None, pending: int = 3) -> Polling:
+    """``server_batches`` False: the server ignores the poll's Accept header (another stack's, or a qtp node
+    before the extension), answering one message per poll."""
+    server = box(limits, pending)
     clock, limits = server.clock, server.limits
     handled: list[tuple[Envelope, Source]] = []
     polls: list[Envelope] = []
@@ -234,7 +299,8 @@ def polling() -> Polling:
             posted.append(env)
             return NOTHING
         polls.append(env)
-        return server.mailbox.answer(env, env.body, ALICE)
+        room = accepted_batch(transport.requests[-1].accept) if server_batches else None
+        return server.mailbox.answer(env, env.body, ALICE, room)
 
     def handle(env: Envelope, source: Source) -> Answer:
         handled.append((env, source))
@@ -242,15 +308,20 @@ def polling() -> Polling:
         return answer(env, acks=(SequenceAcknowledgement(env.sequence.identifier,
                                                          ranges=((1, env.sequence.number),)),))
 
+    def handle_batch(envs: list[Envelope], source: Source) -> Answer:
+        batches.append(len(envs))
+        return [handle(env, source) for env in envs][-1]
+
+    batches: list[int] = []
     transport = FakeTransport(serve, clock)
     channels = {"rr": ChannelSettings("rr", peer=SERVER, mode="memory", reply=True)}
     poller = Poller(mc_anonymous(CLIENT), channels, limits, transport,  # type: ignore[arg-type]
-                    Metrics("client", lambda: 0, lambda: 0), Security(), handle)
-    return Polling(poller, transport, server, handled, polls, posted)
+                    Metrics("client", lambda: 0, lambda: 0), Security(), handle, handle_batch)
+    return Polling(poller, transport, server, handled, polls, posted, batches)
 
 
 def test_the_poller_hands_each_fetched_message_to_the_receiver_as_its_peers_and_says_whether_more_wait():
-    p = polling()
+    p = polling(server_batches=False)
     assert p.poller.peers() == [SERVER]
     p.server.hold(1, 2)
     assert p.poller.poll(SERVER) == (True, True)
@@ -288,3 +359,27 @@ def test_any_other_answer_to_a_fetched_message_is_posted_to_the_peer():
     p.poller.poll(SERVER)
     assert [type(env.body) for env in p.posted] == [TerminateSequenceResponse]
     assert not p.poller.has_acks(SERVER)
+
+
+def test_the_poller_takes_what_the_server_holds_in_one_poll_and_hands_it_to_the_receiver_as_one_batch():
+    p = polling(limits=Limits(max_batch=3), pending=5)
+    p.server.hold(1, 2, 3, 4, 5)
+    assert p.poller.poll(SERVER) == (True, True)  # 1-3, and more wait
+    assert accepted_batch(p.transport.requests[0].accept) == BatchRoom(3, Limits().max_response_bytes)
+    assert p.poller.poll(SERVER) == (True, False)  # 4-5, their acknowledgement riding on this poll
+    assert p.batches == [3, 2]
+    assert [env.sequence.number for env, _ in p.handled] == [1, 2, 3, 4, 5]
+    assert {source for _, source in p.handled} == {Source(None, SERVER)}
+    assert [(a.identifier, a.ranges) for a in p.polls[-1].acks] == [(p.server.out.identifier, ((1, 3),))]
+    assert p.poller.has_acks(SERVER)
+    assert p.poller.poll(SERVER) == (False, False)
+    assert [(a.identifier, a.ranges) for a in p.polls[-1].acks] == [(p.server.out.identifier, ((1, 5),))]
+
+
+def test_a_batch_answer_holding_anything_but_sequence_messages_is_ignored(caplog):
+    p = polling()
+    p.server.hold(1, 2)
+    control = acknowledgement(p.server.inbound, 1)
+    p.transport.handler = lambda url, envs: Answer(control, 200, (wire(control), wire(message("x", 1))))
+    assert p.poller.poll(SERVER) == (False, False)
+    assert p.handled == [] and "holds more than sequence messages" in caplog.text

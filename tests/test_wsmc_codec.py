@@ -17,15 +17,19 @@ from qtp.wsrm.codec import (
     WSMC_FAULT_ACTION,
     WSMC_NS,
     Addressing,
+    BatchRoom,
     EncodingError,
     Envelope,
     InvalidMessage,
     MakeConnection,
     SoapFault,
     SoapVersion,
+    accepted_batch,
+    batch_accept,
     decode,
     default_action,
     encode,
+    encode_batch,
     mc_anonymous,
 )
 from qtp.wsrm.protocol import Sequence, SequenceAcknowledgement
@@ -204,3 +208,27 @@ def test_the_validator_checks_wsmc_elements_against_the_wsmc_schema() -> None:
     pending = encode(messages(S11)["ack+MessagePending-true"]).replace(b'pending="true"', b'pending="maybe"')
     assert any("pending" in error for error in validator().errors(pending, V11, W05))
     assert validator().errors(encode(messages(S11)["ack+MessagePending-true"]), V10, W05) != []
+
+
+# ---------------------------------------------------------------------- qtp's batch answer to a poll
+
+@pytest.mark.parametrize("header, room", [
+    (batch_accept(256, 4 << 20), BatchRoom(256, 4 << 20)),
+    ("application/vnd.qtp.soap-batch;max=3;bytes=100", BatchRoom(3, 100)),
+    ("text/xml, Application/Vnd.Qtp.Soap-Batch ; max=20000 ; bytes=5", BatchRoom(10_000, 5)),  # capped
+    (None, None), ("", None), ("application/soap+xml, text/xml", None), ("*/*", None),
+    ("application/vnd.qtp.soap-batch", None),  # no count or size: not taken
+    ("application/vnd.qtp.soap-batch; max=1; bytes=100", None),  # one per poll is the standard answer
+    ("application/vnd.qtp.soap-batch; max=-3; bytes=100", None),
+    ("application/vnd.qtp.soap-batch; max=3; bytes=0", None),
+    ("application/vnd.qtp.soap-batch; max=3; bytes=1e9", None),
+    ("application/vnd.qtp.soap-batch; max=99999999999; bytes=10", None),
+    ("application/vnd.qtp.soap-batch; max=3; bytes=9999999999999", None),
+])
+def test_the_batch_a_polls_accept_header_takes(header, room):
+    assert accepted_batch(header) == room
+
+
+def test_a_batch_rooms_framed_size_is_the_encoded_batchs_length():
+    parts = [b"<a/>", b"x" * 1234, b"<b>" * 7]
+    assert BatchRoom(3, 1).framed(parts) == len(encode_batch(parts))

@@ -48,10 +48,12 @@ class Counter:
 def _poller(folder: Path, clock: Clock, status: int = 202) -> Poller:
     channel = SimpleNamespace(peer=PEER, reply=True, acks_to="anonymous", wsa=WsaVersion.WSA200508,
                               soap=SoapVersion.SOAP11)
-    transport = SimpleNamespace(post=lambda peer, data, soap, action: SimpleNamespace(status=status, body=b""))
+    transport = SimpleNamespace(post=lambda peer, data, soap, action, accept=None: SimpleNamespace(status=status,
+                                                                                                  body=b""))
     metrics = SimpleNamespace(polls=Counter(), ignored_headers=Counter())
     return Poller("http://docs.oasis-open.org/ws-rx/wsmc/200702/anonymous?id=urn:qtp:node:n1", {"gsoap": channel},
-                  SimpleNamespace(poll_interval_max=1.0), transport, metrics, None, _no_handling, folder, clock)
+                  SimpleNamespace(poll_interval_max=1.0, max_batch=256, max_response_bytes=1 << 22), transport, metrics,
+                  None, _no_handling, _no_handling, folder, clock)
 
 
 def _no_handling(message, source):

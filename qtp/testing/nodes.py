@@ -273,14 +273,17 @@ _BOOTS: dict[str, str] = {}  # URL -> the boot the node answering there gave las
 
 
 def post_as(url: str, message: Envelope | bytes, peer: str | None, secret: str, to: str | None = None,
-            now: float | None = None, **options: object) -> requests.Response:
+            now: float | None = None, accept: str | None = None, **options: object) -> requests.Response:
     """POST a SOAP 1.2 request (an envelope, or bytes as they are) signed as ``peer`` with ``secret`` for the
     node ``to`` (by default the NodeProcess listening at ``url``), or anonymously (``peer`` None), at time
-    ``now`` (a clock ahead or behind; the present by default); ``options`` go to ``requests.post``
+    ``now`` (a clock ahead or behind; the present by default), with an ``Accept`` header when given (a qtp
+    poller's names the batch it takes); ``options`` go to ``requests.post``
     (``verify``, ``cert``). As a node's transport does, the signature names the boot the node last gave,
     and a 401 that gives another one is signed again with it and sent once more."""
     body = message if isinstance(message, bytes) else encode(message)
     headers = {"Content-Type": content_type(SoapVersion.SOAP12, None)}
+    if accept is not None:
+        headers["Accept"] = accept
     receiver = None
     if peer is not None:
         receiver = to or _NODE_IDS.get(urlsplit(url).port or 0)

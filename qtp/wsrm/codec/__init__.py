@@ -6,7 +6,14 @@ WS-MakeConnection 1.1), with lxml.
 ``Validator`` checks emitted envelopes against the official schemas, loaded from local files.
 """
 
-from qtp.wsrm.codec._batch import BATCH_CONTENT_TYPE, decode_batch, encode_batch
+from qtp.wsrm.codec._batch import (
+    BATCH_CONTENT_TYPE,
+    BatchRoom,
+    accepted_batch,
+    batch_accept,
+    decode_batch,
+    encode_batch,
+)
 from qtp.wsrm.codec._decode import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_DEPTH,
@@ -42,8 +49,8 @@ __all__ = [
     "BATCH_CONTENT_TYPE", "COMBINATIONS", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_DEPTH", "DEFAULT_MAX_ELEMENTS",
     "MAKE_CONNECTION_ACTION", "MISSING_SELECTION", "RM_NS", "SCHEMA_FILES", "SOAP_NS", "UNSUPPORTED_SELECTION",
     "WSA_NS", "WSMC_ANONYMOUS", "WSMC_FAULT_ACTION", "WSMC_NS", "WSMC_SCHEMA_FILE",
-    "Addressing", "CheckedPayload", "EncodingError", "Envelope", "InvalidMessage", "MakeConnection", "SoapFault",
+    "Addressing", "BatchRoom", "CheckedPayload", "EncodingError", "Envelope", "InvalidMessage", "MakeConnection", "SoapFault",
     "SoapVersion", "Validator", "WsaVersion",
-    "action", "anonymous", "check_payload", "decode", "decode_batch", "default_action", "encode", "encode_batch",
+    "accepted_batch", "action", "anonymous", "batch_accept", "check_payload", "decode", "decode_batch", "default_action", "encode", "encode_batch",
     "format_duration", "mc_anonymous", "mc_id", "most_elements", "parse_duration", "reply_destination",
 ]

@@ -36,10 +36,12 @@ _warnings = RefusalWarnings(summary="set aside %s more %s header(s) of answers i
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """What the endpoint sends back: an envelope (None: nothing, 202) and the HTTP status."""
+    """What the endpoint sends back: an envelope (None: nothing, 202) and the HTTP status; or, answering a
+    poll that takes a batch, ``batch``: the envelopes given, encoded (the first of them is ``envelope``)."""
 
     envelope: Envelope | None
     status: int = 200
+    batch: tuple[bytes, ...] = ()
 
 
 NOTHING = Answer(None, 202)

@@ -41,13 +41,16 @@ from qtp.errors import QtpError
 from qtp.wsrm.codec import (
     BATCH_CONTENT_TYPE,
     Addressing,
+    BatchRoom,
     Envelope,
     InvalidMessage,
     SoapFault,
     SoapVersion,
     WsaVersion,
     decode,
+    accepted_batch,
     decode_batch,
+    encode_batch,
     most_elements,
 )
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION
@@ -70,7 +73,7 @@ from qtp.wsrm.runtime._transport import content_type, soap_version_of, wire
 class Receiving(Protocol):
     """What the endpoint hands a decoded request to (the receiver)."""
 
-    def handle(self, env: Envelope, caller: str | None = None) -> Any: ...
+    def handle(self, env: Envelope, caller: str | None = None, room: BatchRoom | None = None) -> Any: ...
 
     def handle_batch(self, envelopes: list[Envelope], caller: str | None = None) -> Any: ...
 
@@ -191,7 +194,8 @@ class Endpoint:
         soap = soap_version_of(environ.get("CONTENT_TYPE"))
         if soap is None:
             return _plain(start_response, 415, "expected text/xml (SOAP 1.1) or application/soap+xml (SOAP 1.2)")
-        return self._signed(request, self._soap(soap, data, request), start_response)
+        room = accepted_batch(environ.get("HTTP_ACCEPT"))
+        return self._signed(request, self._soap(soap, data, request, room), start_response)
 
     def _authenticate(self, environ: dict[str, Any], path: str, data: bytes) -> _Request:
         header = environ.get(WSGI_HEADER)
@@ -227,13 +231,14 @@ class Endpoint:
             return self._respond(_bare_fault(SoapVersion.SOAP12, "Sender", str(exc)), 400)
         return self._answer(envelopes[0], lambda: self.receiver.handle_batch(envelopes, request.caller))
 
-    def _soap(self, soap: SoapVersion, data: bytes, request: _Request) -> tuple[int, list[tuple[str, str]], bytes]:
+    def _soap(self, soap: SoapVersion, data: bytes, request: _Request,
+              room: BatchRoom | None) -> tuple[int, list[tuple[str, str]], bytes]:
         try:
             envelope = self._decode(data)
         except InvalidMessage as exc:
             log.info("refused a request: %s%s", exc, _cause(exc))
             return self._respond(_bare_fault(soap, "Sender", str(exc)), 400 if soap is SoapVersion.SOAP12 else 500)
-        return self._answer(envelope, lambda: self.receiver.handle(envelope, request.caller))
+        return self._answer(envelope, lambda: self.receiver.handle(envelope, request.caller, room))
 
     def _decode(self, data: bytes) -> Envelope:
         limits = self.limits
@@ -254,6 +259,9 @@ class Endpoint:
             return self._respond(_bare_fault(envelope.soap, "Receiver", "internal error; retry later"), 500)
         if answer.envelope is None:
             return 202, [("Content-Length", "0")], b""
+        if answer.batch:  # several messages for a qtp poller (qtp.wsrm.codec._batch)
+            body = encode_batch(list(answer.batch))
+            return answer.status, [("Content-Type", BATCH_CONTENT_TYPE), ("Content-Length", str(len(body)))], body
         return self._respond(answer.envelope, answer.status)
 
     @staticmethod

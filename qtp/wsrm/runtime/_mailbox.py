@@ -50,15 +50,19 @@ from urllib.parse import quote
 
 from qtp.errors import TransportError
 from qtp.wsrm.codec import (
+    BATCH_CONTENT_TYPE,
     MAKE_CONNECTION_ACTION,
     MISSING_SELECTION,
     UNSUPPORTED_SELECTION,
     Addressing,
+    BatchRoom,
     Envelope,
     InvalidMessage,
     MakeConnection,
     SoapFault,
     anonymous,
+    batch_accept,
+    decode_batch,
     mc_anonymous,
     mc_id,
 )
@@ -142,8 +146,10 @@ class Mailbox:
 
     # ------------------------------------------------------------------ polls
 
-    def answer(self, env: Envelope, poll: MakeConnection, caller: str | None) -> Answer:
-        """The answer to a MakeConnection from ``caller``: one held message (200), nothing (202), or a fault."""
+    def answer(self, env: Envelope, poll: MakeConnection, caller: str | None, room: BatchRoom | None = None) -> Answer:
+        """The answer to a MakeConnection from ``caller``: one held message (200), nothing (202), or a fault; or,
+        for a qtp poller that takes a batch (``room``, from its Accept header), as many held messages as
+        ``room`` allows, when there are two or more."""
         metrics = self.metrics
         if poll.unsupported:
             metrics.polls.labels(result="fault").inc()
@@ -159,12 +165,48 @@ class Mailbox:
             metrics.polls.labels(result="fault").inc()
             return fault(env, SoapFault("Receiver", UNSUPPORTED_SELECTION,
                                         "the Address is not a WS-MakeConnection anonymous URI"))
-        envelope, more = self.take(caller, client, poll.identifier)
-        if envelope is None:
+        given, more = self.take(caller, client, poll.identifier, 1 if room is None else room.most)
+        if not given:
             metrics.polls.labels(result="empty").inc()
             return NOTHING
         metrics.polls.labels(result="message").inc()
-        return Answer(replace(envelope, message_pending=more, addressing=self._answerable(envelope.addressing)), 200)
+        if len(given) == 1:
+            metrics.poll_batch.observe(1)
+            envelope = given[0].envelope
+            return Answer(replace(envelope, message_pending=more, addressing=self._answerable(envelope.addressing)),
+                          200)
+        assert room is not None
+        return self._batch(given, more, room)
+
+    def _batch(self, given: list[_Held], more: bool, room: BatchRoom) -> Answer:
+        """Messages given to one poll, each a standard envelope (MessagePending true on all but the last, which
+        says whether more wait), as many as fit in ``room``'s bytes (at least one); the rest are given back,
+        to go on the next poll."""
+        envelopes: list[Envelope] = []
+        parts: list[bytes] = []
+        for at, held in enumerate(given):
+            last = at == len(given) - 1
+            envelope = held.envelope
+            envelope = replace(envelope, message_pending=more or not last,
+                               addressing=self._answerable(envelope.addressing))
+            data = wire(envelope)
+            if parts and room.framed([*parts, data]) > room.size:
+                self._give_back(given[at:], envelopes[-1])
+                break
+            envelopes.append(envelope)
+            parts.append(data)
+        self.metrics.poll_batch.observe(len(parts))
+        if len(parts) == 1:
+            return Answer(envelopes[0], 200)
+        return Answer(envelopes[0], 200, tuple(parts))
+
+    def _give_back(self, held: list[_Held], last: Envelope) -> None:
+        """``held`` did not fit in the batch answer: given again on the next poll (the batch's ``last`` says more
+        wait: it was encoded with MessagePending true)."""
+        assert last.message_pending
+        with self._mutex:
+            for entry in held:
+                entry.given_at = float("-inf")
 
     def _answerable(self, addressing: Addressing) -> Addressing:
         """``addressing`` with ReplyTo = this node's endpoint: a message given on a poll's response can be
@@ -173,11 +215,12 @@ class Mailbox:
             return addressing
         return replace(addressing, reply_to=self.endpoint)
 
-    def take(self, owner: str | None, client: str | None, identifier: str | None = None) -> tuple[Envelope | None, bool]:
-        """The next envelope for ``client`` (or, with ``client`` None, for any of ``owner``'s clients), only
-        about sequence ``identifier`` when given; and whether more wait. Messages go first, lowest number
-        first, with the acknowledgements held for the same client riding along; then lone acknowledgements;
-        then control messages."""
+    def take(self, owner: str | None, client: str | None, identifier: str | None = None,
+             most: int = 1) -> tuple[list[_Held], bool]:
+        """What goes to the next poll of ``client`` (or, with ``client`` None, of any of ``owner``'s clients),
+        only about sequence ``identifier`` when given; and whether more wait. Messages go first, lowest number
+        first, up to ``most`` of one client's, the acknowledgements held for that client riding along with the
+        first; then one lone acknowledgement; then one control message."""
         self._drop_acknowledged()
         now, again = self.clock.monotonic(), self.limits.retransmit_interval
         with self._mutex:
@@ -188,25 +231,27 @@ class Mailbox:
             ready = [(slot, held, box) for slot, held, box in chosen
                      if box.get(slot) is held and now - held.given_at >= again]  # (another poll may have taken it)
             if not ready:
-                return None, False
+                return [], False
             order = {"message": 0, "ack": 1, "control": 2}
             ready.sort(key=lambda r: (order[r[0][0]], r[1].key or "", r[1].number or 0))
             slot, held, box = ready[0]
-            envelope = held.envelope
             seq = None if held.key is None else self.sources.get(held.key)
             if seq is not None and seq.offered:  # a poll took something of it: it lives on
                 seq.polled = True
-            if slot[0] == "message":  # the acknowledgements waiting for this client ride along
-                held.given_at = now
-                acks = [(s, h, b) for s, h, b in ready if s[0] == "ack" and b is box]
-                for s, _, b in acks:
-                    del b[s]
-                if acks:
-                    envelope = replace(envelope, acks=envelope.acks + tuple(a for _, h, _ in acks for a in h.envelope.acks))
-                ready = [r for r in ready if r[0][0] != "ack" or r[2] is not box]
-            else:  # an acknowledgement or a control message goes once: its sender asks again if it is lost
+            if slot[0] != "message":  # an acknowledgement or a control message goes once: its sender asks again
                 del box[slot]
-            return envelope, len(ready) > 1
+                return [held], len(ready) > 1
+            given = [h for s, h, b in ready if s[0] == "message" and b is box][:most]
+            acks = [(s, h) for s, h, b in ready if s[0] == "ack" and b is box]
+            for entry in given:
+                entry.given_at = now
+            for s, _ in acks:
+                del box[s]
+            if acks:  # (a copy: the held message itself is given again, without them, if it is lost)
+                first = given[0]
+                given[0] = replace(first, envelope=replace(first.envelope, acks=first.envelope.acks + tuple(
+                    a for _, h in acks for a in h.envelope.acks)))
+            return given, len(ready) > len(given) + len(acks)
 
     def _drop_acknowledged(self) -> None:
         """Forget messages acknowledged since they were held, acknowledgements of inbound sequences the
@@ -239,7 +284,8 @@ class Poller:
     """The MakeConnection loop of a node without an endpoint, one thread per peer of its reply channels."""
 
     def __init__(self, address: str, channels: Mapping[str, Any], limits: Any, transport: Transport, metrics: Any,
-                 security: Security, handle: Callable[[Envelope, Source], Answer], log_dir: Path | None = None,
+                 security: Security, handle: Callable[[Envelope, Source], Answer],
+                 handle_batch: Callable[[list[Envelope], Source], Answer], log_dir: Path | None = None,
                  clock: Callable[[], float] = time.time):
         self.address = address
         self.channels = channels
@@ -248,6 +294,8 @@ class Poller:
         self.metrics = metrics
         self.security = security
         self._handle = handle
+        self._handle_batch = handle_batch
+        self._accept = batch_accept(limits.max_batch, limits.max_response_bytes)
         self.peers_seen = PolledPeers(None if log_dir is None else Path(log_dir) / POLLED_PEERS_FILE,
                                       limits.poll_interval_max, clock)
         self._acks: dict[str, dict[str, SequenceAcknowledgement]] = {}
@@ -280,7 +328,7 @@ class Poller:
                         addressing=Addressing(action=MAKE_CONNECTION_ACTION, to=peer,
                                               message_id=f"urn:uuid:{uuid.uuid4()}", reply_to=anonymous(wsa)))
         try:
-            reply = self.transport.post(peer, wire(poll), poll.soap, MAKE_CONNECTION_ACTION)
+            reply = self.transport.post(peer, wire(poll), poll.soap, MAKE_CONNECTION_ACTION, accept=self._accept)
         except TransportError as exc:
             log.debug("poll of %s failed: %s", peer, exc)
             self._keep(peer, acks)
@@ -290,18 +338,15 @@ class Poller:
             self.peers_seen.empty(peer, reply.status)
             return False, False
         try:
-            message = read_answer(reply.body, peer, self.metrics)
+            messages = self._read(peer, reply)
         except InvalidMessage as exc:
             log.warning("unreadable answer to a poll (HTTP %d) from %s: %s", reply.status, peer, exc)
             return False, False
-        if isinstance(message.body, SoapFault) and message.sequence is None:  # (a fault *reply* has a Sequence)
-            log.warning("%s refused a poll: %s", peer, message.body.reason)
-            return False, False
-        if isinstance(message.body, CreateSequence):  # a peer we poll cannot open sequences here
-            log.warning("%s answered a poll with a CreateSequence; ignored", peer)
+        if not messages:
             return False, False
         self.peers_seen.message(peer)
-        answer = self._handle(message, Source.answer(self.security, peer))
+        source = Source.answer(self.security, peer)
+        answer = self._handle(messages[0], source) if len(messages) == 1 else self._handle_batch(messages, source)
         back = answer.envelope
         if back is not None and back.body is None and back.sequence is None and not back.ack_requests:
             self._keep(peer, back.acks)  # on the next poll
@@ -310,7 +355,26 @@ class Poller:
                 self.transport.post(peer, wire(back), back.soap, back.addressing.action)
             except TransportError as exc:
                 log.debug("answer to a polled message not delivered to %s: %s", peer, exc)
-        return True, bool(message.message_pending)
+        return True, bool(messages[-1].message_pending)
+
+    def _read(self, peer: str, reply: Any) -> list[Envelope]:
+        """What ``peer`` gave on a poll's answer: one envelope, or a qtp batch of sequence messages; nothing
+        when it is a fault, a CreateSequence, or a batch holding anything else (each logged)."""
+        media = reply.content_type.split(";", 1)[0].strip().lower()
+        if media != BATCH_CONTENT_TYPE:
+            message = read_answer(reply.body, peer, self.metrics)
+            if isinstance(message.body, SoapFault) and message.sequence is None:  # (a fault *reply* has a Sequence)
+                log.warning("%s refused a poll: %s", peer, message.body.reason)
+                return []
+            if isinstance(message.body, CreateSequence):  # a peer we poll cannot open sequences here
+                log.warning("%s answered a poll with a CreateSequence; ignored", peer)
+                return []
+            return [message]
+        messages = [read_answer(part, peer, self.metrics) for part in decode_batch(reply.body, self.limits.max_batch)]
+        if any(m.sequence is None or m.body is not None and not isinstance(m.body, SoapFault) for m in messages):
+            log.warning("%s answered a poll with a batch that holds more than sequence messages; ignored", peer)
+            return []
+        return messages
 
     def has_acks(self, peer: str) -> bool:
         with self._mutex:

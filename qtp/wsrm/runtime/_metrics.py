@@ -104,6 +104,10 @@ class Metrics:
                                       labelnames=["node"], buckets=BATCH_BUCKETS,
                                       registry=self.registry).labels(**labels)
 
+        self.poll_batch = Histogram("qtp_poll_messages", "Messages given per poll answered with messages (more "
+                                    "than one only to qtp pollers, which take a batch)", labelnames=["node"],
+                                    buckets=BATCH_BUCKETS, registry=self.registry).labels(**labels)
+
         self._retransmissions = Counter("qtp_channel_retransmissions", "Application messages transmitted again",
                                         labelnames=["node", "channel"], registry=self.registry)
         self._requests = Histogram("qtp_channel_request_messages", "Application messages per request sent",

@@ -306,7 +306,8 @@ class Node:
             self._serve_http()
         else:
             poller = Poller(self.mc_address or "", self.channels, self.limits, self.transport, self.metrics,
-                            self.settings.security, self.receiver.handle, self.manager.log_dir)
+                            self.settings.security, self.receiver.handle, self.receiver.handle_batch,
+                            self.manager.log_dir)
             for peer in poller.peers():
                 self._spawn(lambda peer=peer: poller.run(peer, self._stopping), "qtp-poll")
         self.started = True

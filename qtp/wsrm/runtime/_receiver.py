@@ -28,6 +28,7 @@ from qtp.coordinator.failpoints import failpoint
 from qtp.errors import MessagingError
 from qtp.wsrm.codec import (
     Addressing,
+    BatchRoom,
     Envelope,
     MakeConnection,
     SoapFault,
@@ -129,10 +130,11 @@ class Receiver:
 
     # ------------------------------------------------------------------ requests
 
-    def handle(self, env: Envelope, caller: "Source | str | None" = None) -> Answer:
+    def handle(self, env: Envelope, caller: "Source | str | None" = None, room: BatchRoom | None = None) -> Answer:
         """One request from ``caller``: the authenticated peer's name (None: anonymous), or the ``Source`` of a
         message we fetched (the answer to our poll). Only what it may say of its own sequences is taken
-        (``Ownership``); a request that says nothing else is refused."""
+        (``Ownership``); a request that says nothing else is refused. ``room``: the batch a poll's sender
+        takes in the answer (qtp's extension)."""
         now = self.clock.time()
         source = Source.of(caller)
         about = self.ownership.sort(source, env)
@@ -144,7 +146,7 @@ class Receiver:
         caller = source.peer
         body = env.body
         if isinstance(body, MakeConnection):  # a peer that cannot listen fetches what we hold for it
-            return self.mailbox.answer(env, body, caller)
+            return self.mailbox.answer(env, body, caller, room)
         if isinstance(body, CreateSequence):
             return self._create(env, body, now, caller)
         if env.sequence is not None:
@@ -287,15 +289,17 @@ class Receiver:
             return "the offered identifier is in use already"
         return None
 
-    def handle_batch(self, envelopes: list[Envelope], caller: str | None = None) -> Answer:
-        """A qtp batch: each sequence's messages stored in one local commit, one answer with every
-        acknowledgement (or the first fault)."""
+    def handle_batch(self, envelopes: list[Envelope], caller: "Source | str | None" = None) -> Answer:
+        """A qtp batch (a request's, or the answer to our poll: ``caller`` as for ``handle``): each sequence's
+        messages stored in one local commit, one answer with every acknowledgement (or the first fault)."""
         now = self.clock.time()
+        source = Source.of(caller)
+        caller = source.peer
         groups: dict[str, list[Envelope]] = {}
         for env in envelopes:
             if env.sequence is None or env.body is not None and not isinstance(env.body, SoapFault):
                 return fault(env, SoapFault("Sender", None, "a qtp batch carries sequence messages only"), 400)
-            about = self.ownership.sort(Source.of(caller), env)
+            about = self.ownership.sort(source, env)
             if not about.sequence:
                 return self._refuse(env)
             if about.acks:

@@ -110,8 +110,11 @@ class Transport:
             reraise=True,
         )
 
-    def post(self, url: str, body: bytes, soap: SoapVersion, action: str | None) -> Reply:
+    def post(self, url: str, body: bytes, soap: SoapVersion, action: str | None, accept: str | None = None) -> Reply:
+        """POST one SOAP envelope; ``accept``: the Accept header (a poll's, naming the batch it takes)."""
         headers = {"Content-Type": content_type(soap, action)}
+        if accept is not None:
+            headers["Accept"] = accept
         if soap is SoapVersion.SOAP11:
             headers["SOAPAction"] = f'"{action or ""}"'
         return self._post(url, body, headers)
