@@ -13,6 +13,12 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
   transaction (replies/s reported beside);
 - (p) as (r), with a client that has no endpoint: it listens on no port and fetches its replies (and the
   acknowledgements of its orders) by polling the server with WS-MakeConnection;
+- (d) the drain of a polling client: as (p), but the client polls only every ``DRAIN_POLL_S`` seconds
+  (and takes its acknowledgements on the responses), with a window (``max_unacknowledged``) larger than
+  the run (the server takes no more requests from a peer whose reply window is full), so that every reply
+  waits at the server when its
+  polls come: the replies/s reported are the rate at which a backlog is fetched and applied (the orders
+  must all be applied within the first interval; the 10 %-90 % window of the replies then lies in the drain);
 - (s) **the strong baseline**, what a user would hand-write: an ``outbox`` row written in the client's
   local transaction; one relay thread takes up to 500 rows (``FOR UPDATE SKIP LOCKED``, in id order),
   sends them in one POST (JSON), and deletes them on a 200 in the same transaction; the server inserts the
@@ -55,9 +61,11 @@ from qtp.embedded import DEFAULT_ROOT, EmbeddedMariaDB, EmbeddedPostgres, free_p
 from qtp.testing.nodes import NodeProcess, Pair, client_schema, counter, create, rows, server_schema
 
 HERE = Path(__file__).resolve().parent
+DRAIN_POLL_S = 60.0
 PAD = 1000 - len('<order xmlns="urn:test" k="12345"></order>')
 LABELS = {"a": "qtp xa, queues co-located", "A": "qtp xa, co-located, authenticated peers", "b": "qtp xa, queues in the other db",
           "r": "qtp xa, co-located, request-reply", "p": "qtp xa, request-reply, client polls",
+          "d": "qtp xa, request-reply, polled backlog (drain)",
           "s": "strong outbox baseline", "c": "serial outbox baseline"}
 STRONG_BATCH = 500
 
@@ -131,13 +139,15 @@ def _databases_cpu(pg, maria) -> dict[str, int | None]:
 
 def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, tag: str,
             rate: float | None = None, batch_handler: bool = False, reply: bool = False,
-            secret: str | None = None, profile: Path | None = None, polls: bool = False) -> dict:
+            secret: str | None = None, profile: Path | None = None, polls: bool = False, drain: bool = False) -> dict:
     client_app, server_app = _fresh(pg, f"tc_{tag}"), _fresh(maria, f"ts_{tag}")
     client_schema(client_app)
     server_schema(server_app)
     stores = {"client_store": _fresh(maria, f"tcs_{tag}"), "server_store": _fresh(pg, f"tss_{tag}")} if other else {}
-    pair = Pair(client_app, server_app, reply=reply, secret=secret, client_listens=not polls,
-                acks_to="poll" if polls else "anonymous", **stores)
+    pair = Pair(client_app, server_app, reply=reply, secret=secret, client_listens=not (polls or drain),
+                acks_to="poll" if polls else "anonymous", **stores,
+                limits=f"poll_interval_min = {DRAIN_POLL_S}\npoll_interval_max = {DRAIN_POLL_S}\n"
+                       f"max_unacknowledged = {messages + 1}" if drain else "")
     run = folder / tag
     run.mkdir(parents=True, exist_ok=True)
     client_config, server_config = pair.write(run)
@@ -154,8 +164,8 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
              ] if profile else []
     try:
         metrics = f"http://127.0.0.1:{pair.server_port}/metrics"
-        return _measure(server_app, client_app, messages, began, timeout=600, metrics=metrics, cpu=cpu,
-                        replies=reply)
+        return _measure(server_app, client_app, messages, began, timeout=600 + (DRAIN_POLL_S if drain else 0),
+                        metrics=metrics, cpu=cpu, replies=reply)
     finally:
         for spy in spies:
             spy.send_signal(signal.SIGINT)
@@ -277,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", default="1,16")
-    parser.add_argument("--variants", default="a,b,r,s,c", help="a, A, b, r (qtp), s (strong), c (serial); see above")
+    parser.add_argument("--variants", default="a,b,r,s,c", help="a, A, b, r, p, d (qtp), s (strong), c (serial); see above")
     parser.add_argument("--rate", type=float, default=None, help="pace the senders at this many messages/s")
     parser.add_argument("--batch-handler", action="store_true", help="the qtp server applies with a batch handler")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
@@ -297,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_outbox(pg, maria, folder, args.messages, threads, tag, variant == "s", args.rate)
                 else:
                     r = run_qtp(pg, maria, folder, args.messages, threads, variant == "b", tag, args.rate,
-                                args.batch_handler, reply=variant in ("r", "p"), polls=variant == "p",
+                                args.batch_handler, reply=variant in ("r", "p", "d"), polls=variant == "p",
+                                drain=variant == "d",
                                 secret=secrets.token_urlsafe(32) if variant == "A" else None,
                                 profile=args.profile)
                 r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate,
@@ -327,7 +338,7 @@ def summarise(results: list[dict]) -> dict:
                     for proc in runs[0].get("cpu_ms_per_msg", {})}
         for base in ("s", "c"):
             if base in row and row[base]["rate"]:
-                for variant in ("a", "b", "r", "p"):
+                for variant in ("a", "b", "r", "p", "d"):
                     if variant in row:
                         row[variant][f"ratio_to_{base}"] = round(row[variant]["rate"] / row[base]["rate"], 2)
         summary[threads] = row
