@@ -10,6 +10,13 @@ kills itself at a chosen instant inside the runtime or the commit path). Everyth
 end the loss is turned off, the run waits (bounded) until nothing moves any more, and ``qtp reconcile``
 (the Spark job) compares ``orders`` with ``applied`` and with ``replies``.
 
+The client sends at a pace (``--rate``, orders/s) that spreads the stream over the kills: by default
+``messages / (kills * KILL_SPACING_S)``, about one kill per ``KILL_SPACING_S`` of stream, the time a kill and
+its restart take. Unpaced (``--rate 0``) the stream of 10,000 orders ended after 45-100 of 200 kills once the
+transfer path had become fast, and the rest hit nodes with nothing in flight. Each kill records how many
+orders the server had applied before it; ``kills_in_stream`` in the result counts the kills that came before
+the last committed order was applied and replied to.
+
     python benchmarks/e2e_campaign.py --mode xa --messages 10000 --kills 200 --loss 0.1 --seed 1
 
 Every kill's outcome goes to ``<out>/kills.json``, the reconciliation reports to ``<out>/``; the verdict
@@ -33,6 +40,7 @@ from qtp.testing.nodes import (NodeProcess, Pair, client_schema, listening_ports
                                server_schema)
 
 ABORT_EVERY = 13
+KILL_SPACING_S = 1.2  # seconds of order stream per kill, when --rate is not given
 FAILPOINTS = {
     # where the node kills itself; which ones a run can reach depends on where the stores are
     "colocated": ["after_store_before_ack", "after_apply_before_ack"],
@@ -134,6 +142,8 @@ def _run_kills(c: Campaign, pair: Pair, nodes: dict[str, NodeProcess], servers: 
         victim = VICTIMS[(len(c.kills)) % len(VICTIMS)] if len(c.kills) < len(VICTIMS) else c.rng.choice(VICTIMS)
         record = _kill(c, victim, nodes, servers)
         record["applied_before"] = _count(pair.server_app, "SELECT COUNT(*) FROM applied")
+        if args.reply:
+            record["replies_before"] = _count(pair.client_app, "SELECT COUNT(*) FROM replies")
         c.kills.append(record)
         if len(c.kills) % 10 == 0 or len(c.kills) == args.kills:
             print(f"  kill {len(c.kills)}/{args.kills}: {victim}; applied {record['applied_before']}", flush=True)
@@ -170,8 +180,8 @@ def run(args: argparse.Namespace) -> int:
     args.began = time.monotonic()
     print(f"e2e campaign: mode {args.mode}, {args.messages} messages, {args.kills} kills, loss {args.loss}, "
           f"seed {args.seed}, {args.pair}, stores {args.store}, {'request-reply' if args.reply else 'one-way'}"
-          f"{', client polls (no endpoint)' if args.no_listen else ''}",
-          flush=True)
+          f"{', client polls (no endpoint)' if args.no_listen else ''}, "
+          f"{f'paced at {args.rate:.1f} orders/s' if args.rate > 0 else 'unpaced'}", flush=True)
     pg, maria = _databases(Path(args.root))
     pair = _pair(args, pg, maria, tag)
     client_config, server_config = pair.write(out)
@@ -181,9 +191,11 @@ def run(args: argparse.Namespace) -> int:
     if pair.back_proxy_port is not None:  # a client without an endpoint is never called: it polls
         proxies.append(LossyProxy(f"http://127.0.0.1:{pair.client_port}", port=pair.back_proxy_port,
                                   seed=args.seed + 1, **loss).start())
+    sending = {"QTP_TEST_SEND": str(args.messages), "QTP_TEST_ABORT_EVERY": str(ABORT_EVERY)}
+    if args.rate > 0:
+        sending["QTP_TEST_RATE"] = str(args.rate)
     nodes = {"server": NodeProcess(server_config, out / "server.log"),
-             "client": NodeProcess(client_config, out / "client.log",
-                                   {"QTP_TEST_SEND": str(args.messages), "QTP_TEST_ABORT_EVERY": str(ABORT_EVERY)})}
+             "client": NodeProcess(client_config, out / "client.log", sending)}
     servers = {"postgresql": pg, "mariadb": maria}
     try:
         nodes["server"].start()
@@ -211,11 +223,19 @@ def run(args: argparse.Namespace) -> int:
     return summarise(c, drained, requests_report, replies_report)
 
 
+def _in_stream(kills: list[dict], drained: dict) -> int:
+    """Kills that came while work was in flight: before the server had applied (and, request-reply, the client
+    had recorded the reply to) every committed order, as counted at the end of the drain."""
+    return sum(1 for k in kills if 0 <= k.get("applied_before", -1) < drained["applied"]
+               or 0 <= k.get("replies_before", -1) < (drained["replies"] or 0))
+
+
 def summarise(c: Campaign, drained: dict, requests_report: dict, replies_report: dict | None) -> int:
     counts = requests_report["counts"]
     result = {"mode": c.args.mode, "messages": c.args.messages, "kills": len(c.kills), "loss": c.args.loss,
               "seed": c.args.seed, "pair": c.args.pair, "store": c.args.store, "reply": c.args.reply,
               "victims": {v: sum(1 for k in c.kills if k["victim"] == v) for v in VICTIMS},
+              "rate": c.args.rate, "kills_in_stream": _in_stream(c.kills, drained),
               "drained": drained, "requests": counts, "requests_verdict": requests_report["verdict"],
               "replies": replies_report["counts"] if replies_report else None,
               "replies_verdict": replies_report["verdict"] if replies_report else None,
@@ -224,7 +244,7 @@ def summarise(c: Campaign, drained: dict, requests_report: dict, replies_report:
         result["replies_verdict"] in (None, "exactly-once") else "violated"
     result["verdict"] = verdict
     (c.out / "result.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("victims", "requests", "replies", "elapsed_s")}))
+    print(json.dumps({k: result[k] for k in ("victims", "kills_in_stream", "requests", "replies", "elapsed_s")}))
     print(f"results in {c.out}")
     print(verdict)
     return 0 if verdict == "exactly-once" else 1
@@ -250,13 +270,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="the nodes authenticate each other (signed requests, anonymous refused)")
     parser.add_argument("--wsrm", default="1.1")
     parser.add_argument("--soap", default="1.2")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="orders/s the client sends (0: unpaced; default: messages / (kills * 1.2 s))")
     parser.add_argument("--drain-s", type=float, default=600.0, help="bound on the final wait")
     parser.add_argument("--quiet-s", type=float, default=30.0, help="nothing moved this long: stop waiting")
     parser.add_argument("--root", default=".qtp/campaign-db", help="folder of the campaign's own database servers")
     parser.add_argument("--stop-databases", action="store_true",
                         help="stop the campaign's database servers at the end (default: left running to inspect)")
     parser.add_argument("--out", default=None, help="results folder (default .qtp/campaign/<mode>_<seed>_<time>)")
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    if args.rate is None:
+        args.rate = args.messages / (max(args.kills, 1) * KILL_SPACING_S)
+    return run(args)
 
 
 if __name__ == "__main__":
