@@ -6,6 +6,11 @@ every half second from another local address (127.0.0.2: the per-address cap is 
 answering) and must answer within 1 s every time; the honest client keeps sending orders through the
 attack, and they are reconciled exactly once at the end. What each attack did before (cheroot, main
 4e8babd) is in the test's docstring and in docs/security.md.
+
+Each attack lasts ``ATTACK_S`` (15 s: 30 probes of /health, so one isolated miss on a loaded machine is 1 in
+30, as it was 1 in 40 at 20 s); the "before" figures in the docstrings were measured with 20 s attacks (and
+the fixed waits noted there). A server that stalls fails the probes in a row from the first stalled one on,
+so a stall shows within the first seconds of an attack.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ SECRET = "honest-pair-secret-0123456789abcdefghij"
 MALLORY = "mallory-secret-0123456789abcdefghijklmn"
 PROBE_FROM = "127.0.0.2"     # /health is asked from here
 ATTACK_FROM = "127.0.0.3"    # the attacker's sockets come from here
-ORDERS = 40
+ATTACK_S = 15                # seconds each attack lasts
+ORDERS = 32                  # sent at 2 a second: 16 s, through the attack
 
 
 # ---------------------------------------------------------------------------------------------- set-up
@@ -185,6 +191,15 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError(f"no VmRSS for process {pid}")
 
 
+def _rss_back_to(pid: int, bound: float, within: float) -> float:
+    """RSS in MB once it is at most ``bound``, or after ``within`` seconds if it never gets there (asked
+    every 0.1 s: a server that keeps the memory is still measured at the end of the whole wait)."""
+    deadline = time.monotonic() + within
+    while (rss := _rss_mb(pid)) > bound and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return rss
+
+
 # ---------------------------------------------------------------------------------------------- attacks
 
 def _withstood(d: Deployment, sockets: list[socket.socket], attack) -> None:
@@ -197,7 +212,7 @@ def _withstood(d: Deployment, sockets: list[socket.socket], attack) -> None:
         report = probe.stop()
         for sock in sockets:
             sock.close()
-    assert not probe.stalled() and probe.asked >= 30, report
+    assert not probe.stalled() and probe.asked >= 1.5 * ATTACK_S, report  # (2 a second when answered)
     d.reconcile()
 
 
@@ -205,7 +220,8 @@ def test_silent_tls_sockets_do_not_stall_the_server(deploy):
     """Before (cheroot): the TLS handshake ran in the accepting thread, so one silent TCP connection stalled
     every new connection for up to 30 s. One silent socket every 2 s for 20 s: /health failed 17 of 17
     times, and a keep-alive connection opened before the attack did not answer. After: 0 failed, the
-    keep-alive connection answers."""
+    keep-alive connection answers. Now one every 2 s for ATTACK_S (15 s): the first one alone stalled
+    cheroot for longer than that."""
     d = deploy(tls=True)
     context = ssl.create_default_context()
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
@@ -214,7 +230,7 @@ def test_silent_tls_sockets_do_not_stall_the_server(deploy):
     answers: list[bytes] = []
 
     def attack() -> None:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + ATTACK_S
         while time.monotonic() < deadline:
             silent.append(_connect(d.port, ATTACK_FROM, 5))
             time.sleep(2)
@@ -231,14 +247,14 @@ def test_silent_tls_sockets_do_not_stall_the_server(deploy):
 
 def test_slowloris_does_not_stall_the_server(deploy):
     """Before (cheroot): sockets sending a request head one byte at a time held cheroot's workers (the issue:
-    24 sockets, one byte every 10 s, /health failed 12 of 12 over 60 s). Here 64 sockets, one byte every 2 s
-    for 20 s: before, /health failed 13 of 13; after, 0 failed."""
+    24 sockets, one byte every 10 s, /health failed 12 of 12 over 60 s). Here 64 sockets, one byte every 2 s:
+    before, for 20 s, /health failed 13 of 13; after, 0 failed. Now for ATTACK_S (15 s)."""
     d = deploy()
     sockets = [_connect(d.port, ATTACK_FROM, 5) for _ in range(64)]
     head = b"POST /rm HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/soap+xml\r\nX-Slow: "
 
     def attack() -> None:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + ATTACK_S
         at = 0
         while time.monotonic() < deadline:
             for sock in sockets:
@@ -254,8 +270,8 @@ def test_slowloris_does_not_stall_the_server(deploy):
 
 def test_half_sent_requests_do_not_stall_the_server(deploy):
     """Before (cheroot): requests whose head announced a body that never came held every worker (the issue:
-    /health timed out after 40 s). Here 110 of them stay open for 20 s: before, /health failed 13 of 13;
-    after, 0 failed (the ones over the per-address cap are closed at once)."""
+    /health timed out after 40 s). Here 110 of them stay open: before, for 20 s, /health failed 13 of 13;
+    after, 0 failed (the ones over the per-address cap are closed at once). Now for ATTACK_S (15 s)."""
     d = deploy()
     sockets = []
     for _ in range(110):
@@ -266,7 +282,7 @@ def test_half_sent_requests_do_not_stall_the_server(deploy):
             sockets.append(sock)
         except OSError:
             pass  # over the per-address cap: refused at once
-    _withstood(d, sockets, lambda: time.sleep(20))
+    _withstood(d, sockets, lambda: time.sleep(ATTACK_S))
 
 
 def _bomb() -> bytes:
@@ -278,9 +294,9 @@ def _bomb() -> bytes:
 
 def test_bodies_of_empty_elements_keep_memory_bounded(deploy):
     """Before (cheroot, no element limit): 16 threads each posting two 4 MiB bodies of empty elements signed by
-    mallory took the server from 74 MB to 1,541 MB RSS, and 1,413 MB stayed; /health failed once. After:
-    73 MB idle (warm), 95 MB peak, 73 MB after (at most 2x idle, and back within 10 % of idle), every
-    body refused with a Sender fault, /health answering throughout."""
+    mallory took the server from 74 MB to 1,541 MB RSS, and 1,413 MB stayed (5 s after); /health failed once.
+    After: 73 MB idle (warm), 95 MB peak, 73 MB after (at most 2x idle, and back within 10 % of idle
+    within 5 s), every body refused with a Sender fault, /health answering throughout."""
     d = deploy()
     pid = d.server.proc.pid
     wait_until(lambda: rows(d.pair.server_app, "SELECT COUNT(*) FROM applied")[0][0] >= 5, 60, "orders flowing")
@@ -322,9 +338,8 @@ def test_bodies_of_empty_elements_keep_memory_bounded(deploy):
         report = probe.stop()
         done.set()
         sampler.join(5)
-    time.sleep(5)
-    after = _rss_mb(pid)
-    figures = f"idle {idle:.0f} MB, peak {peak[0]:.0f} MB, 5 s after {after:.0f} MB; statuses {sorted(set(statuses))}"
+    after = _rss_back_to(pid, 1.1 * idle, 5)
+    figures = f"idle {idle:.0f} MB, peak {peak[0]:.0f} MB, then {after:.0f} MB; statuses {sorted(set(statuses))}"
     print(figures)
     assert peak[0] <= 2 * idle, figures
     assert after <= 1.1 * idle, figures
@@ -438,9 +453,9 @@ def test_a_fault_says_what_not_how():
 def test_pipelined_requests_do_not_stall_the_server(deploy):
     """Each of 20 connections (4 addresses x 5) writes 20,000 ``GET /health`` requests at once and never reads
     the answers. Before (main cc276df): a connection's buffered requests were answered back to back on the
-    event loop, /health from another address failed 5 of 21 times. After: the loop
+    event loop, /health from another address failed 5 of 21 times (over 18 s). After: the loop
     is yielded between requests and an answer must have left the process before the connection's next
-    request is read; 0 failed."""
+    request is read; 0 failed. Now for ATTACK_S (15 s)."""
     d = deploy()
     sockets = [_connect(d.port, f"127.0.0.{3 + n // 5}", 5) for n in range(20)]
     burst = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 20_000
@@ -455,7 +470,7 @@ def test_pipelined_requests_do_not_stall_the_server(deploy):
         writers = [threading.Thread(target=write, args=(sock,), daemon=True) for sock in sockets]
         for thread in writers:
             thread.start()
-        time.sleep(18)
+        time.sleep(ATTACK_S)
 
     _withstood(d, sockets, attack)
 
@@ -492,10 +507,12 @@ HALF_HELLO = bytes([0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 
 
 
 def test_tls_connections_are_cheap_and_their_memory_is_given_back(deploy):
-    """640 connections (10 addresses x 64) each send the start of a TLS ClientHello and stall for 8 s.
-    Before (main cc276df): asyncio gave each a 256 KiB read buffer: RSS idle 74 MB, peak 271 MB, 7 s after
-    the sockets closed still 272 MB. After: a 16 KiB buffer, and the heap is collected and trimmed once a
-    burst of connections is over: idle 73 MB, peak 118 MB, 7 s after 78 MB."""
+    """640 connections (10 addresses x 64) each send the start of a TLS ClientHello and stall for 5 s (8 s
+    when the figures below were measured; the peak comes once all are open). Before (main cc276df): asyncio
+    gave each a 256 KiB read buffer: RSS idle 74 MB, peak 271 MB, 7 s after the sockets closed still 272 MB.
+    After: a 16 KiB buffer, and the heap is collected and trimmed once a burst of connections is over: idle
+    73 MB, peak 118 MB, 7 s after 78 MB. The test waits up to 7 s for RSS to be back within 15 MB of idle,
+    and asks /health for at least 2 s after the sockets closed (the trim comes 0.5 s after)."""
     d = deploy(tls=True)
     pid = d.server.proc.pid
     wait_until(lambda: rows(d.pair.server_app, "SELECT COUNT(*) FROM applied")[0][0] >= 3, 60, "orders flowing")
@@ -505,6 +522,7 @@ def test_tls_connections_are_cheap_and_their_memory_is_given_back(deploy):
     idle = _rss_mb(pid)
     peak = [idle]
     sockets: list[socket.socket] = []
+    after = [0.0]
 
     def attack() -> None:
         for n in range(640):
@@ -514,25 +532,26 @@ def test_tls_connections_are_cheap_and_their_memory_is_given_back(deploy):
                 sockets.append(sock)
             except OSError:
                 pass
-        deadline = time.monotonic() + 8
+        deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             peak[0] = max(peak[0], _rss_mb(pid))
             time.sleep(0.1)
         for sock in sockets:
             sock.close()
-        time.sleep(7)  # /health is still asked, and the heap may be trimmed
+        closed = time.monotonic()
+        after[0] = _rss_back_to(pid, idle + 15, 7)  # /health is still asked while the heap is trimmed
+        time.sleep(max(0.0, closed + 2 - time.monotonic()))
 
     probe = Prober(d.port, True)
     try:
         attack()
     finally:
         report = probe.stop()
-    after = _rss_mb(pid)
-    figures = f"idle {idle:.0f} MB, peak {peak[0]:.0f} MB, 7 s after {after:.0f} MB ({len(sockets)} connections)"
+    figures = f"idle {idle:.0f} MB, peak {peak[0]:.0f} MB, after {after[0]:.0f} MB ({len(sockets)} connections)"
     print(figures)
     assert len(sockets) == 640, figures
     assert peak[0] <= idle + 60, figures
-    assert after <= idle + 15, figures
+    assert after[0] <= idle + 15, figures
     assert not probe.stalled(), report
     d.reconcile()
 
@@ -552,7 +571,7 @@ def test_many_addresses_cannot_hold_more_than_max_connections(deploy):
     """200 connections (10 addresses x 20, each under the per-address cap) send half a ClientHello and stall,
     with max_connections = 50. Before (main cc276df, no node-wide bound): all 200 held open by the server.
     After: at most 50 more sockets than idle (each newcomer closes the longest-quiet connection), and
-    /health, itself a newcomer at the bound, answered 34 of 34 times."""
+    /health, itself a newcomer at the bound, answered 34 of 34 times (over 17 s; now ATTACK_S, 15 s)."""
     d = deploy(tls=True, limits="max_connections = 50\n")
     pid = d.server.proc.pid
     wait_until(lambda: rows(d.pair.server_app, "SELECT COUNT(*) FROM applied")[0][0] >= 3, 60, "orders flowing")
@@ -568,7 +587,7 @@ def test_many_addresses_cannot_hold_more_than_max_connections(deploy):
                 sockets.append(sock)
             except OSError:
                 pass  # closed at once: the server found no connection to close in its place
-        deadline = time.monotonic() + 17
+        deadline = time.monotonic() + ATTACK_S
         while time.monotonic() < deadline:
             most[0] = max(most[0], _sockets_open(pid) - idle)
             time.sleep(0.2)
