@@ -9,13 +9,11 @@ start, the tests that need it fail with the server's log.
 from __future__ import annotations
 
 import itertools
-import os
 import re
-import signal
-import time
 
 import pytest
 
+from embedded_support import discard
 from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres
 
 _counter = itertools.count()
@@ -31,26 +29,12 @@ def pytest_configure(config):
     nodes.LAUNCH = lambda args, env, log: shared().spawn("qtp", args, env, log)
 
 
-def _gone(pid: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.02)
-
-
 @pytest.fixture(scope="session")
 def pg_server(tmp_path_factory):
     server = EmbeddedPostgres(tmp_path_factory.mktemp("pg"))
     server.start()
     yield server
-    pid = server.postmaster_pid()
-    if pid is not None:  # immediate shutdown: no checkpoint of data that is deleted next
-        os.kill(pid, signal.SIGQUIT)
-        _gone(pid)
-    server.destroy()
+    discard(server)  # immediate shutdown: no checkpoint of data that is deleted next
 
 
 @pytest.fixture(scope="session")
@@ -58,14 +42,13 @@ def maria_server(tmp_path_factory):
     server = EmbeddedMariaDB(tmp_path_factory.mktemp("mariadb"))
     server.start()
     yield server
-    server.kill()  # no flush of the buffer pool for data that is deleted next
-    server.destroy()
+    discard(server)  # no flush of the buffer pool for data that is deleted next
 
 
 def _throw_away(server):
     server.start()
     yield server
-    server.destroy()
+    discard(server)
 
 
 @pytest.fixture

@@ -27,6 +27,8 @@ from qtp.errors import (
 )
 from qtp.xa import MemoryResource
 
+from embedded_support import discard
+
 BALANCE = 1000
 
 
@@ -295,7 +297,7 @@ def test_database_with_prepared_transactions_disabled(tm, tmp_path, pg_db):
         assert prepared_left(on) == 0
     finally:
         tm.close()
-        server.destroy()
+        discard(server)
 
 
 def test_temporary_tables_cannot_be_prepared(tm, pg_db):

@@ -39,6 +39,7 @@ from qtp.wsrm.codec import WsaVersion, anonymous, decode
 from qtp.wsrm.protocol import CreateSequence, Sequence
 from qtp.wsrm.runtime._settings import node_settings
 from coupled_support import OPEN, Bank
+from embedded_support import discard
 
 
 YEARS = 10 * 365 * 86400.0
@@ -234,7 +235,7 @@ def few_slots_pg(tmp_path_factory):
     server = EmbeddedPostgres(tmp_path_factory.mktemp("pg-few-slots"), max_prepared_transactions=SLOTS)
     server.start()
     yield server
-    server.destroy()
+    discard(server)
 
 
 def _with_limit(config: Path, line: str) -> bool:

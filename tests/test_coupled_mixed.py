@@ -32,6 +32,7 @@ from qtp.testing.coupled_nodes import PENDING_IN, UNSETTLED_OUT, accounts
 from qtp.testing.nodes import rows, wait_until
 
 from coupled_support import OPEN, Bank
+from embedded_support import discard
 
 LIMITS = "max_attempts = 2"
 
@@ -42,7 +43,7 @@ def own_maria(tmp_path):
     server = EmbeddedMariaDB(tmp_path / "own-maria")
     server.start()
     yield server
-    server.destroy()
+    discard(server)
 
 
 # ---------------------------------------------------------------------------------------------- judging
