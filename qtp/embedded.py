@@ -39,13 +39,21 @@ def free_port() -> int:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` is running. A zombie is not: it has exited (its memory, sockets and locks are
+    released) and waits to be reaped. A PostgreSQL postmaster is nobody's child once ``pg_ctl`` returns, and
+    some inits reap late (measured on a firecracker VM: 1.6-1.9 s), so a crashed postmaster would otherwise
+    look alive and ``qtp db start`` right after a SIGKILL would take it for a running server."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # gone meanwhile, or no /proc: the kernel found it
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
 def _wait_for_port(port: int, pid_of: callable, what: str, log: Path) -> None:
@@ -174,6 +182,7 @@ class EmbeddedPostgres:
             return self.info
         if not (self.datadir / "PG_VERSION").exists():
             self._initdb()
+        self._clear_crashed()
         port = json.loads(self.state_file.read_text())["port"] if self.state_file.exists() else free_port()
         self.log.touch()
         self._chown(self.log)
@@ -191,6 +200,24 @@ class EmbeddedPostgres:
         self.state_file.write_text(json.dumps(asdict(self.info)))
         self._wait_accepting()
         return self.info
+
+    def _clear_crashed(self) -> None:
+        """After a crash of the postmaster (SIGKILL, OOM) its backends may live on for a moment and its
+        ``postmaster.pid`` (and the lock file of its socket) name a process that exited, perhaps not yet
+        reaped: PostgreSQL refuses to start while either holds (``lock file ... exists``, ``shared memory block
+        is still in use``). The cluster is dead: its leftover processes are killed, waited for, and the stale
+        lock files removed."""
+        pid = self.postmaster_pid()
+        if pid is None or _pid_alive(pid):
+            return
+        pattern = f"postgres.*{self.datadir}"
+        deadline = time.monotonic() + 10.0
+        while _processes_matching(pattern) and time.monotonic() < deadline:
+            subprocess.run(["pkill", "-KILL", "-f", pattern], capture_output=True)
+            time.sleep(0.05)
+        for lock in self.datadir.glob(".s.PGSQL.*.lock"):
+            lock.unlink(missing_ok=True)
+        (self.datadir / "postmaster.pid").unlink(missing_ok=True)
 
     def _wait_accepting(self) -> None:
         import psycopg2
@@ -255,6 +282,12 @@ def _private_home(root: Path) -> Path:
     home = Path("/var/tmp") / f"qtp-pg-{digest}"
     home.mkdir(mode=0o755, exist_ok=True)
     return home
+
+
+def _processes_matching(pattern: str) -> list[int]:
+    """Running (not zombie) processes whose command line matches ``pattern`` (``pgrep -f``)."""
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found if int(pid) != os.getpid() and _pid_alive(int(pid))]
 
 
 def _wait_gone(pid: int, timeout: float = 30.0) -> None:

@@ -55,3 +55,44 @@ def test_printed_urls_work_as_printed(pg_server, maria_server):
         with engine.connect() as conn:
             assert conn.execute(sqlalchemy.text("SELECT 1")).scalar() == 1
         engine.dispose()
+
+
+def test_qtp_db_start_right_after_a_sigkill_of_the_postmaster_starts_it_again(tmp_path):
+    """An operator's (or a campaign's) SIGKILL of the postmaster alone, then `qtp db start` at once. The
+    crashed postmaster is reaped by this machine's init only 1.6-1.9 s later, and its backends, socket lock
+    and postmaster.pid outlive it for a moment: before, the start took the unreaped process for a running
+    server, said so and started nothing (an outside tester's F3). Now it clears what the crash left and
+    starts the server, with the committed row."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from qtp.embedded import EmbeddedPostgres
+
+    root = tmp_path / "servers"
+    pg = EmbeddedPostgres(root / "pg")
+    url = pg.start().url("postgres")
+    conn = _pg_connect(url)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute("CREATE TABLE t (x int)")
+        cur.execute("INSERT INTO t VALUES (7)")  # a backend stays connected through the kill
+    crashed = pg.postmaster_pid()
+    try:
+        os.kill(crashed, signal.SIGKILL)
+        began = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "qtp", "db", "start", "--root", str(root), "--only", "postgres"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert pg.postmaster_pid() not in (None, crashed)
+        fresh = _pg_connect(url)
+        with fresh.cursor() as cur:
+            cur.execute("SELECT x FROM t")
+            assert cur.fetchall() == [(7,)]
+        fresh.close()
+        assert time.monotonic() - began < 60
+    finally:
+        conn.close()
+        pg.destroy()
