@@ -40,7 +40,7 @@ def free_port() -> int:
 
 def _pid_alive(pid: int) -> bool:
     """Whether process ``pid`` is running. A zombie is not: it has exited (its memory, sockets and locks are
-    released) and waits to be reaped. A PostgreSQL postmaster is nobody's child once ``pg_ctl`` returns, and
+    released, once all its threads have) and waits to be reaped. A PostgreSQL postmaster is nobody's child once ``pg_ctl`` returns, and
     some inits reap late (measured on a firecracker VM: 1.6-1.9 s), so a crashed postmaster would otherwise
     look alive and ``qtp db start`` right after a SIGKILL would take it for a running server."""
     try:
@@ -51,7 +51,11 @@ def _pid_alive(pid: int) -> bool:
         return True
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+            if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
+                return True
+        # A multi-threaded process (mysqld) whose main thread has exited shows "Z" while its other threads
+        # still run and hold its sockets and files: it has exited only when they are gone too.
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
     except (OSError, IndexError):  # gone meanwhile, or no /proc: the kernel found it
         return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
