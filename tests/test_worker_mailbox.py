@@ -44,6 +44,7 @@ from qtp.wsrm.runtime._mailbox import Mailbox, Poller
 from qtp.wsrm.runtime._metrics import Metrics
 from qtp.wsrm.runtime._ownership import Source
 from qtp.wsrm.runtime._security import Security
+from qtp.errors import TransportError
 from qtp.wsrm.runtime._transport import wire
 from qtp.wsrm.runtime._sequences import Destinations, Inbound, Outbound, Sources
 from qtp.wsrm.runtime._settings import ChannelSettings, Limits
@@ -252,12 +253,48 @@ def test_messages_that_do_not_fit_the_bytes_are_given_at_the_next_poll_not_after
     assert [n for n, _ in batch_numbers(got)] == [3, 4] and two.framed(list(got.batch)) <= two.size
 
 
-def test_a_batch_room_of_one_message_or_a_foreign_poll_gets_a_standard_envelope():
+def test_one_message_for_a_batch_poller_is_a_standard_envelope():
     b = box()
+    b.hold(1)
+    single = b.poll(room=BatchRoom(256, 1 << 20))
+    assert single.batch == () and numbers(single) == (1, False)
+
+
+def test_acknowledgements_that_would_not_fit_with_the_first_message_wait_for_the_next_poll():
+    """(An outside tester's F1: a reply that fit the poller's bytes went with the held acknowledgements on it,
+    over them; the poller could not read the answer, and under a steady stream never got a reply.)"""
+    b = box(pending=2)
     b.hold(1, 2)
-    single = b.poll(room=BatchRoom(256, 10))  # room for less than one: the first goes alone, as for anyone
-    assert single.batch == () and numbers(single) == (1, True)
-    assert numbers(b.poll()) == (2, False)
+    b.hold_ack(*range(1, 400, 2))  # 200 ranges: a long SequenceAcknowledgement
+    alone = len(wire(message(b.out.identifier or "", 1)))  # a message's size as it is given (give or take)
+    room = BatchRoom(256, alone + 200)  # the message fits, not with the acknowledgements on it
+    got = b.poll(room=room)
+    assert numbers(got) == (1, True) and got.envelope.acks == () and len(wire(got.envelope)) <= room.size
+    second = b.poll(room=room)  # at once: message 2, then the acknowledgement alone
+    assert numbers(second) == (2, True) and second.envelope.acks == ()
+    lone = b.poll(room=room).envelope
+    assert lone.sequence is None and lone.acks and lone.acks[0].identifier == b.inbound
+    assert b.poll(room=room) is NOTHING
+
+
+def test_a_message_larger_than_a_batch_pollers_bytes_is_not_given_to_it_and_is_reported(caplog):
+    """(F2: a reply larger than the client reads was given to every poll, refused unread each time, and the
+    client's replies stopped without a word.) It is not given to that poller; the messages after it and the
+    acknowledgements are; a warning says which message and what to raise. Another stack's poll, with no
+    budget, still gets it."""
+    b = box(pending=3)
+    b.hold(2, 3)
+    big = message(b.out.identifier or "", 1)
+    big = replace(big, payload=CheckedPayload(b"<r>" + b"x" * 5000 + b"</r>"))
+    b.mailbox.hold(ALICE, CLIENT, big, b.out.key)
+    b.hold_ack(1)
+    room = BatchRoom(256, 3000)
+    got = b.poll(room=room)
+    assert [n for n, _ in batch_numbers(got)] == [2, 3] and decode(got.batch[0]).acks
+    assert batch_numbers(got)[-1] == (3, False)  # nothing more this poller can read waits
+    assert "message 1 of sequence" in caplog.text and "max_response_bytes" in caplog.text
+    assert b.poll(room=room) is NOTHING  # not given, and no busy polling for it
+    assert numbers(b.poll()) == (1, False)  # a poll without a budget gets it
 
 
 def test_another_peers_poll_that_takes_a_batch_gets_nothing():
@@ -383,3 +420,16 @@ def test_a_batch_answer_holding_anything_but_sequence_messages_is_ignored(caplog
     p.transport.handler = lambda url, envs: Answer(control, 200, (wire(control), wire(message("x", 1))))
     assert p.poller.poll(SERVER) == (False, False)
     assert p.handled == [] and "holds more than sequence messages" in caplog.text
+
+
+def test_a_poll_answer_over_the_pollers_limit_is_reported_not_only_logged_at_debug(caplog):
+    """(F2, the client's side: an answer over max_response_bytes was dropped with a debug line only.)"""
+    p = polling()
+
+    def too_large(request):
+        raise TransportError("POST http://server.test/rm failed: RequestException: the answer is 5000000 bytes, "
+                             "over [limits] max_response_bytes (4194304); not read")
+
+    p.transport._deliver = too_large
+    assert p.poller.poll(SERVER) == (False, False)
+    assert "raise [limits] max_response_bytes" in caplog.text

@@ -224,6 +224,9 @@ def test_the_validator_checks_wsmc_elements_against_the_wsmc_schema() -> None:
     ("application/vnd.qtp.soap-batch; max=3; bytes=1e9", None),
     ("application/vnd.qtp.soap-batch; max=99999999999; bytes=10", None),
     ("application/vnd.qtp.soap-batch; max=3; bytes=9999999999999", None),
+    ("application/vnd.qtp.soap-batch; q=0; max=3; bytes=100", None),  # q=0: not acceptable
+    ("application/vnd.qtp.soap-batch; q=0.000; max=3; bytes=100", None),
+    ("application/vnd.qtp.soap-batch; q=0.5; max=3; bytes=100", BatchRoom(3, 100)),
 ])
 def test_the_batch_a_polls_accept_header_takes(header, room):
     assert accepted_batch(header) == room

@@ -61,6 +61,8 @@ def accepted_batch(accept: str | None) -> BatchRoom | None:
         if media.lower() != BATCH_CONTENT_TYPE:
             continue
         named = dict(p.partition("=")[::2] for p in parameters)
+        if named.get("q", "1").strip().rstrip("0").rstrip(".") in ("0", ""):  # q=0: not acceptable
+            continue
         most, size = named.get("max", ""), named.get("bytes", "")
         if most.isdigit() and size.isdigit() and len(most) <= _MAX_LENGTH_DIGITS and len(size) <= 12 and \
                 int(most) >= 2 and int(size) > 0:

@@ -69,6 +69,7 @@ from qtp.wsrm.codec import (
 from qtp.wsrm.protocol import CreateSequence, RMVersion, SequenceAcknowledgement
 from qtp.wsrm.runtime._answers import NOTHING, Answer, fault, read_answer
 from qtp.wsrm.runtime._ownership import Source
+from qtp.wsrm.runtime._refusals import RefusalWarnings
 from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock
 from qtp.wsrm.runtime._security import Security
 from qtp.wsrm.runtime._sequences import Destinations, Sources
@@ -76,7 +77,11 @@ from qtp.wsrm.runtime._status import POLLED_PEERS_FILE
 from qtp.wsrm.runtime._transport import Transport, wire
 
 log = logging.getLogger("qtp.wsrm.mailbox")
+_too_large = RefusalWarnings(summary="%s more poll(s) found a held message too large for its client (%s) in the "
+                             "last %.0f s")
+_unread = RefusalWarnings(summary="%s more poll answer(s) over this node's max_response_bytes (%s) in the last %.0f s")
 
+_SPARE = 8  # bytes kept free in a batch answer: the last envelope is written again with MessagePending false
 SUSPECT_POLLS = 5          # bare 202 answers in a row, and
 SUSPECT_SECONDS = 60.0     # for this long, from a peer that never returned a message to a poll: reported
 REPORT_INTERVAL = 600.0    # the warning again, at most this often, while it lasts
@@ -165,48 +170,16 @@ class Mailbox:
             metrics.polls.labels(result="fault").inc()
             return fault(env, SoapFault("Receiver", UNSUPPORTED_SELECTION,
                                         "the Address is not a WS-MakeConnection anonymous URI"))
-        given, more = self.take(caller, client, poll.identifier, 1 if room is None else room.most)
+        if room is not None:
+            return self._fill(caller, client, poll.identifier, room)
+        given, more = self.take(caller, client, poll.identifier)
         if not given:
             metrics.polls.labels(result="empty").inc()
             return NOTHING
         metrics.polls.labels(result="message").inc()
-        if len(given) == 1:
-            metrics.poll_batch.observe(1)
-            envelope = given[0].envelope
-            return Answer(replace(envelope, message_pending=more, addressing=self._answerable(envelope.addressing)),
-                          200)
-        assert room is not None
-        return self._batch(given, more, room)
-
-    def _batch(self, given: list[_Held], more: bool, room: BatchRoom) -> Answer:
-        """Messages given to one poll, each a standard envelope (MessagePending true on all but the last, which
-        says whether more wait), as many as fit in ``room``'s bytes (at least one); the rest are given back,
-        to go on the next poll."""
-        envelopes: list[Envelope] = []
-        parts: list[bytes] = []
-        for at, held in enumerate(given):
-            last = at == len(given) - 1
-            envelope = held.envelope
-            envelope = replace(envelope, message_pending=more or not last,
-                               addressing=self._answerable(envelope.addressing))
-            data = wire(envelope)
-            if parts and room.framed([*parts, data]) > room.size:
-                self._give_back(given[at:], envelopes[-1])
-                break
-            envelopes.append(envelope)
-            parts.append(data)
-        self.metrics.poll_batch.observe(len(parts))
-        if len(parts) == 1:
-            return Answer(envelopes[0], 200)
-        return Answer(envelopes[0], 200, tuple(parts))
-
-    def _give_back(self, held: list[_Held], last: Envelope) -> None:
-        """``held`` did not fit in the batch answer: given again on the next poll (the batch's ``last`` says more
-        wait: it was encoded with MessagePending true)."""
-        assert last.message_pending
-        with self._mutex:
-            for entry in held:
-                entry.given_at = float("-inf")
+        metrics.poll_batch.observe(1)
+        envelope = given[0].envelope
+        return Answer(replace(envelope, message_pending=more, addressing=self._answerable(envelope.addressing)), 200)
 
     def _answerable(self, addressing: Addressing) -> Addressing:
         """``addressing`` with ReplyTo = this node's endpoint: a message given on a poll's response can be
@@ -215,43 +188,134 @@ class Mailbox:
             return addressing
         return replace(addressing, reply_to=self.endpoint)
 
-    def take(self, owner: str | None, client: str | None, identifier: str | None = None,
-             most: int = 1) -> tuple[list[_Held], bool]:
-        """What goes to the next poll of ``client`` (or, with ``client`` None, of any of ``owner``'s clients),
-        only about sequence ``identifier`` when given; and whether more wait. Messages go first, lowest number
-        first, up to ``most`` of one client's, the acknowledgements held for that client riding along with the
-        first; then one lone acknowledgement; then one control message."""
+    def _given(self, envelope: Envelope, pending: bool, acks: tuple[SequenceAcknowledgement, ...] = ()) -> Envelope:
+        """``envelope`` as a poll is given it."""
+        return replace(envelope, message_pending=pending, acks=envelope.acks + acks,
+                       addressing=self._answerable(envelope.addressing))
+
+    def _ready(self, owner: str | None, client: str | None, identifier: str | None,
+               now: float) -> list[tuple[tuple[Any, ...], _Held, dict[tuple[Any, ...], _Held]]]:
+        """What may go to a poll now, in the order it goes: messages lowest number first, then
+        acknowledgements, then control messages (``_mutex`` held)."""
+        again = self.limits.retransmit_interval
+        ready = [(slot, held, box) for (o, c), box in self._boxes.items() if o == owner and client in (None, c)
+                 for slot, held in box.items()
+                 if (identifier is None or held.identifier == identifier) and now - held.given_at >= again]
+        order = {"message": 0, "ack": 1, "control": 2}
+        ready.sort(key=lambda r: (order[r[0][0]], r[1].key or "", r[1].number or 0))
+        return ready
+
+    def _mark_polled(self, held: _Held) -> None:
+        seq = None if held.key is None else self.sources.get(held.key)
+        if seq is not None and seq.offered:  # a poll took something of it: it lives on
+            seq.polled = True
+
+    def take(self, owner: str | None, client: str | None, identifier: str | None = None) -> tuple[list[_Held], bool]:
+        """What goes to the next poll of ``client`` (or, with ``client`` None, of any of ``owner``'s clients)
+        that takes one message (another stack's), only about sequence ``identifier`` when given; and whether
+        more wait. The lowest-numbered message, with the acknowledgements held for the same client riding
+        along; else one lone acknowledgement; else one control message."""
         self._drop_acknowledged()
-        now, again = self.clock.monotonic(), self.limits.retransmit_interval
+        now = self.clock.monotonic()
         with self._mutex:
-            boxes = [box for (o, c), box in self._boxes.items() if o == owner and client in (None, c)]
-            chosen = [(slot, held, box) for box in boxes for slot, held in box.items()
-                      if identifier is None or held.identifier == identifier]
-        with self._mutex:
-            ready = [(slot, held, box) for slot, held, box in chosen
-                     if box.get(slot) is held and now - held.given_at >= again]  # (another poll may have taken it)
+            ready = self._ready(owner, client, identifier, now)
             if not ready:
                 return [], False
-            order = {"message": 0, "ack": 1, "control": 2}
-            ready.sort(key=lambda r: (order[r[0][0]], r[1].key or "", r[1].number or 0))
             slot, held, box = ready[0]
-            seq = None if held.key is None else self.sources.get(held.key)
-            if seq is not None and seq.offered:  # a poll took something of it: it lives on
-                seq.polled = True
+            self._mark_polled(held)
             if slot[0] != "message":  # an acknowledgement or a control message goes once: its sender asks again
                 del box[slot]
                 return [held], len(ready) > 1
-            given = [h for s, h, b in ready if s[0] == "message" and b is box][:most]
+            held.given_at = now
             acks = [(s, h) for s, h, b in ready if s[0] == "ack" and b is box]
-            for entry in given:
-                entry.given_at = now
             for s, _ in acks:
                 del box[s]
             if acks:  # (a copy: the held message itself is given again, without them, if it is lost)
-                first = given[0]
-                given[0] = replace(first, envelope=replace(first.envelope, acks=first.envelope.acks + tuple(
+                held = replace(held, envelope=replace(held.envelope, acks=held.envelope.acks + tuple(
                     a for _, h in acks for a in h.envelope.acks)))
-            return given, len(ready) > len(given) + len(acks)
+            return [held], len(ready) > 1 + len(acks)
+
+    def _fill(self, owner: str | None, client: str | None, identifier: str | None, room: BatchRoom) -> Answer:
+        """The answer to a qtp poller's poll: as many waiting messages of one client as ``room`` takes (count
+        and bytes), the acknowledgements held for that client riding on the first when they fit (else they
+        wait for the next poll); nothing the poller could not read is given. A message larger than the
+        poller reads in one answer is never given to it (it could not read it, and would poll for it again at
+        once): it waits, reported, until the poller's limit is raised. With no message, one acknowledgement
+        or control message goes, as for any poller."""
+        self._drop_acknowledged()
+        now = self.clock.monotonic()
+        with self._mutex:
+            ready = self._ready(owner, client, identifier, now)
+            if not ready:
+                self.metrics.polls.labels(result="empty").inc()
+                return NOTHING
+            slot, held, box = ready[0]
+            self._mark_polled(held)
+            if slot[0] != "message":
+                del box[slot]
+                self.metrics.polls.labels(result="message").inc()
+                return Answer(self._given(held.envelope, len(ready) > 1), 200)
+            acks = [(s, h) for s, h, b in ready if s[0] == "ack" and b is box]
+            riding = tuple(a for _, h in acks for a in h.envelope.acks)
+            messages = [h for s, h, b in ready if s[0] == "message" and b is box][:room.most]
+            envelopes, parts, too_large, carried = self._pack(messages, riding, room)
+            went = len(envelopes)  # messages given
+            for entry in messages[len(too_large):len(too_large) + went]:
+                entry.given_at = now
+            if not envelopes and acks:  # every message was too large for the poller: its acknowledgements go
+                envelopes = [self._given(acks[0][1].envelope, True, tuple(
+                    a for _, h in acks[1:] for a in h.envelope.acks))]
+                parts, carried = [wire(envelopes[0])], True
+            if carried:
+                for s, _ in acks:
+                    del box[s]
+            used = went + (len(acks) if carried else 0)
+            more = len(ready) - used - len(too_large) > 0
+        for entry in too_large:
+            self._report_too_large(owner, client, entry, room)
+        if not envelopes:
+            self.metrics.polls.labels(result="empty").inc()
+            return NOTHING
+        self.metrics.polls.labels(result="message").inc()
+        if not more:  # the last says that nothing more waits
+            envelopes[-1] = replace(envelopes[-1], message_pending=False)
+            parts[-1] = wire(envelopes[-1])
+        self.metrics.poll_batch.observe(len(envelopes))
+        if len(envelopes) == 1:
+            return Answer(envelopes[0], 200)
+        return Answer(envelopes[0], 200, tuple(parts))
+
+    def _pack(self, messages: list[_Held], riding: tuple[SequenceAcknowledgement, ...],
+              room: BatchRoom) -> tuple[list[Envelope], list[bytes], list[_Held], bool]:
+        """The envelopes (and their bytes) of ``messages`` that fit in ``room``, in order, the ``riding``
+        acknowledgements on the first when they fit with it; the leading messages too large for ``room``
+        even alone (skipped); and whether the acknowledgements went."""
+        envelopes: list[Envelope] = []
+        parts: list[bytes] = []
+        too_large: list[_Held] = []
+        carried = False
+        for held in messages:
+            envelope = self._given(held.envelope, True)
+            data = wire(envelope)
+            if not parts and riding:
+                with_acks = self._given(held.envelope, True, riding)
+                if room.framed([with_data := wire(with_acks)]) + _SPARE <= room.size:
+                    envelope, data, carried = with_acks, with_data, True
+            if room.framed([*parts, data]) + _SPARE > room.size:
+                if parts:
+                    break  # the rest go on the next poll
+                too_large.append(held)
+                continue
+            envelopes.append(envelope)
+            parts.append(data)
+        return envelopes, parts, too_large, carried
+
+    def _report_too_large(self, owner: str | None, client: str | None, held: _Held, room: BatchRoom) -> None:
+        self.metrics.polls.labels(result="too_large").inc()
+        _too_large.warn(log, "held", "message %s of sequence %s is larger than the client %s of peer %s reads in "
+                        "one answer (%d bytes, its [limits] max_response_bytes): it is not given, and the messages "
+                        "after it wait behind it, until that client's limit is raised", held.number,
+                        held.identifier, client, owner or "(anonymous)", room.size)
 
     def _drop_acknowledged(self) -> None:
         """Forget messages acknowledged since they were held, acknowledgements of inbound sequences the
@@ -330,7 +394,11 @@ class Poller:
         try:
             reply = self.transport.post(peer, wire(poll), poll.soap, MAKE_CONNECTION_ACTION, accept=self._accept)
         except TransportError as exc:
-            log.debug("poll of %s failed: %s", peer, exc)
+            if "max_response_bytes" in str(exc):  # read again it would be refused again: say so
+                _unread.warn(log, "poll", "the answer to a poll of %s is larger than this node reads (%s); raise "
+                             "[limits] max_response_bytes", peer, exc)
+            else:
+                log.debug("poll of %s failed: %s", peer, exc)
             self._keep(peer, acks)
             return False, False
         self.metrics.polls.labels(result="sent").inc()

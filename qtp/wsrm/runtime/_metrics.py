@@ -118,8 +118,8 @@ class Metrics:
                           "peer_backlog, peer_replies", labelnames=["node", "reason"], registry=self.registry)
         self.refused = _Bound(refused, node_id)
         polls = Counter("qtp_polls", "WS-MakeConnection polls: sent (by a node without an endpoint); answered "
-                        "with a message, empty or fault (by a serving node)", labelnames=["node", "result"],
-                        registry=self.registry)
+                        "with a message, empty or fault, and too_large (a held message larger than the qtp poller "
+                        "reads), by a serving node", labelnames=["node", "result"], registry=self.registry)
         self.polls = _Bound(polls, node_id)
         self.ignored_headers = Counter("qtp_answer_headers_ignored", "Headers of answers set aside because they "
                                        "break the schema (a Sequence with MessageNumber 0 on an empty-body answer, "
