@@ -65,11 +65,11 @@ def _receiver(url: str, logs: Path, arrivals: list[int], applied: list[int]) -> 
     lock = threading.Lock()
     handle, handle_batch = node.receiver.handle, node.receiver.handle_batch
 
-    def spy(env, caller=None):
+    def spy(env, caller=None, room=None):
         if env.sequence is not None:
             with lock:
                 arrivals.append(env.sequence.number)
-        return handle(env, caller)
+        return handle(env, caller, room)
 
     def spy_batch(envs, caller=None):
         with lock:
