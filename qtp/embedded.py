@@ -40,9 +40,10 @@ def free_port() -> int:
 
 def _pid_alive(pid: int) -> bool:
     """Whether process ``pid`` is running. A zombie is not: it has exited (its memory, sockets and locks are
-    released, once all its threads have) and waits to be reaped. A PostgreSQL postmaster is nobody's child once ``pg_ctl`` returns, and
-    some inits reap late (measured on a firecracker VM: 1.6-1.9 s), so a crashed postmaster would otherwise
-    look alive and ``qtp db start`` right after a SIGKILL would take it for a running server."""
+    released, once all its threads have) and waits to be reaped. A PostgreSQL postmaster is nobody's child
+    once ``pg_ctl`` returns, and some inits reap late (measured on a firecracker VM: 1.6-1.9 s), so a crashed
+    postmaster would otherwise look alive and ``qtp db start`` right after a SIGKILL would take it for a
+    running server."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass, replace
 
 from fakes_runtime import FakeClock, FakeTransport, answer
+
+from qtp.errors import TransportError
 from qtp.wsrm.codec import (
     MAKE_CONNECTION_ACTION,
     MISSING_SELECTION,
@@ -44,7 +46,6 @@ from qtp.wsrm.runtime._mailbox import Mailbox, Poller
 from qtp.wsrm.runtime._metrics import Metrics
 from qtp.wsrm.runtime._ownership import Source
 from qtp.wsrm.runtime._security import Security
-from qtp.errors import TransportError
 from qtp.wsrm.runtime._transport import wire
 from qtp.wsrm.runtime._sequences import Destinations, Inbound, Outbound, Sources
 from qtp.wsrm.runtime._settings import ChannelSettings, Limits

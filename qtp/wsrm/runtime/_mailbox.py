@@ -6,7 +6,10 @@ for replies (or as an AcksTo). What this node would POST there is held here inst
 owns the sequence and the URI's id: the sender's messages of that sequence, and the latest acknowledgement of
 an inbound sequence whose AcksTo is such a URI. Each MakeConnection from that peer takes one (the lowest
 message number, with the acknowledgements riding along; then lone acknowledgements), with MessagePending
-saying whether more wait. A message given out is given again after ``retransmit_interval`` until it is
+saying whether more wait; a qtp poller, whose Accept header names the count and bytes it reads at once
+(``BatchRoom``), takes every waiting message of its client that fits, in one qtp batch answer, and is never
+given more bytes than it reads (acknowledgements ride only when they fit; a message larger than it reads is
+not given to it, and is reported). A message given out is given again after ``retransmit_interval`` until it is
 acknowledged. The messages themselves stay in the store (``qtp_rm_outgoing``) until acknowledged: after a
 restart the sender's timers hold them here again.
 
@@ -17,8 +20,9 @@ URI (``mc_anonymous("urn:qtp:node:<node id>")``, the same after a restart), name
 with ``acks_to = "poll"``, and polls each peer of those channels: at once while MessagePending says more
 wait, backing off to ``poll_interval_max`` while idle. A polled message goes through the receiver as if the
 peer had POSTed it (a CreateSequence is ignored: a peer we poll cannot open sequences here), from the peer
-we polled: what it says of another peer's sequences is refused like a request that does (``Ownership``),
-so a peer cannot answer a poll with messages or acknowledgements "from" another. The acknowledgement it
+we polled (a batch answer as one batch request): what it says of another peer's sequences is refused like a
+request that does (``Ownership``), so a peer cannot answer a poll with messages or acknowledgements "from"
+another. The acknowledgement it
 produces rides on the next poll, sent at once, and any other answer (a TerminateSequenceResponse, a fault)
 is POSTed to the peer.
 
@@ -69,8 +73,8 @@ from qtp.wsrm.codec import (
 from qtp.wsrm.protocol import CreateSequence, RMVersion, SequenceAcknowledgement
 from qtp.wsrm.runtime._answers import NOTHING, Answer, fault, read_answer
 from qtp.wsrm.runtime._ownership import Source
-from qtp.wsrm.runtime._refusals import RefusalWarnings
 from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock
+from qtp.wsrm.runtime._refusals import RefusalWarnings
 from qtp.wsrm.runtime._security import Security
 from qtp.wsrm.runtime._sequences import Destinations, Sources
 from qtp.wsrm.runtime._status import POLLED_PEERS_FILE
