@@ -158,3 +158,22 @@ def test_a_node_without_endpoint_reports_the_real_gsoap_peer_that_has_no_wsmc(tm
             node.close()
             tm.close()
     assert any(server.url in w and "may not support WS-MakeConnection" in w for w in _warnings(caplog))
+
+
+def test_qtp_status_lists_polling_clients_per_peer_that_owns_their_sequences():
+    """Another signed peer may name a client's WS-MC address for sequences of its own (nothing of them
+    reaches that client: only the owner's polls get them). `qtp status` showed their held replies under the
+    client's id, as if they were the client's (an outside tester's finding); each owner now has its row."""
+    from qtp.wsrm.runtime._status import polling_clients, render_messaging
+
+    address = "http://docs.oasis-open.org/ws-rx/wsmc/200702/anonymous?id=urn:qtp:node:vic"
+
+    def out(owner, waiting):
+        return {"direction": "out", "peer": address, "owner": owner, "unacknowledged": waiting,
+                "oldest_unacknowledged_age_s": 3.0 if waiting else None}
+
+    clients = polling_clients([out("vic", 2), out("mal", 60), out("mal", 1)])
+    assert [(c["peer"], c["client"], c["sequences"], c["waiting"]) for c in clients] == [
+        ("mal", "urn:qtp:node:vic", 2, 61), ("vic", "urn:qtp:node:vic", 1, 2)]
+    text = render_messaging({"sequences": [], "polling_clients": clients, "dead_letters": 0, "invoker_backlog": 0})
+    assert any("mal" in line and "61" in line for line in text.splitlines())

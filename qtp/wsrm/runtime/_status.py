@@ -57,7 +57,7 @@ def messaging_status(config: Config) -> dict[str, Any]:
                     count, oldest = summary.outgoing.get((info.route, record.key), (0, None))
                     sequences.append({
                         "direction": "out", "store": name, "route": info.route, "peer": info.peer,
-                        "identifier": record.identifier, "state": record.state.value,
+                        "owner": info.owner, "identifier": record.identifier, "state": record.state.value,
                         "last_number": record.next_number - 1, "unacknowledged": count,
                         "oldest_unacknowledged_age_s": None if oldest is None else round(now - oldest, 3)})
                 for route, key in summary.outgoing:
@@ -101,18 +101,21 @@ def polled_peers(folder: Path, now: float) -> list[dict[str, Any]]:
 
 def polling_clients(sequences: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Clients that cannot listen and fetch their messages with WS-MakeConnection: the outbound sequences
-    whose peer is a WS-MC anonymous URI, with how many messages wait for each client."""
-    clients: dict[str, dict[str, Any]] = {}
+    whose peer is a WS-MC anonymous URI, with how many messages wait for each client, per peer that created
+    them (``owner``; None: anonymous). Only that peer's polls get them: another peer naming the same WS-MC
+    address has a row of its own."""
+    clients: dict[tuple[str, str], dict[str, Any]] = {}
     for q in sequences:
         client = mc_id(q["peer"]) if q["direction"] == "out" else None
         if client is not None:
-            entry = clients.setdefault(client, {"client": client, "sequences": 0, "waiting": 0,
-                                                "oldest_waiting_age_s": None})
+            owner = q.get("owner")
+            entry = clients.setdefault((owner or "", client), {"client": client, "peer": owner, "sequences": 0,
+                                                               "waiting": 0, "oldest_waiting_age_s": None})
             entry["sequences"] += 1
             entry["waiting"] += q["unacknowledged"]
             ages = [a for a in (entry["oldest_waiting_age_s"], q["oldest_unacknowledged_age_s"]) if a is not None]
             entry["oldest_waiting_age_s"] = max(ages) if ages and entry["waiting"] else None
-    return sorted(clients.values(), key=lambda c: c["client"])
+    return sorted(clients.values(), key=lambda c: (c["client"], c["peer"] or ""))
 
 
 def messaging_warnings(status: dict[str, Any]) -> list[str]:
@@ -154,9 +157,9 @@ def render_messaging(status: dict[str, Any]) -> str:
     clients = status.get("polling_clients") or []
     if clients:
         lines.append(f"  clients that poll (WS-MakeConnection): {len(clients)}")
-        polled = table(["client", "sequences", "waiting", "oldest"],
-                       [[c["client"], c["sequences"], c["waiting"], age(c["oldest_waiting_age_s"], unknown="-")]
-                        for c in clients])
+        polled = table(["client", "peer", "sequences", "waiting", "oldest"],
+                       [[c["client"], c.get("peer") or "-", c["sequences"], c["waiting"],
+                         age(c["oldest_waiting_age_s"], unknown="-")] for c in clients])
         lines += ["    " + line for line in polled.splitlines()]
     peers = status.get("polled_peers") or []
     if peers:
