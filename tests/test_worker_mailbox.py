@@ -278,6 +278,18 @@ def test_acknowledgements_that_would_not_fit_with_the_first_message_wait_for_the
     assert b.poll(room=room) is NOTHING
 
 
+def test_a_message_that_fits_the_bytes_alone_is_given_alone_though_it_would_not_fit_framed():
+    """(The re-check's N1: a lone message was measured as if framed in a batch, 20 bytes more, so a reply
+    just under the client's limit was withheld and reported as larger than it.)"""
+    b = box(pending=2)
+    b.hold(1, 2)
+    alone = len(wire(b.mailbox._given(b.mailbox._boxes[(ALICE, CLIENT)][("message", b.out.key, 1)].envelope,
+                                      False)))
+    got = b.poll(room=BatchRoom(256, alone))
+    assert got.batch == () and numbers(got) == (1, True) and len(wire(got.envelope)) <= alone
+    assert numbers(b.poll(room=BatchRoom(256, alone))) == (2, False)
+
+
 def test_a_message_larger_than_a_batch_pollers_bytes_is_not_given_to_it_and_is_reported(caplog):
     """(F2: a reply larger than the client reads was given to every poll, refused unread each time, and the
     client's replies stopped without a word.) It is not given to that poller; the messages after it and the
@@ -295,6 +307,7 @@ def test_a_message_larger_than_a_batch_pollers_bytes_is_not_given_to_it_and_is_r
     assert batch_numbers(got)[-1] == (3, False)  # nothing more this poller can read waits
     assert "message 1 of sequence" in caplog.text and "max_response_bytes" in caplog.text
     assert b.poll(room=room) is NOTHING  # not given, and no busy polling for it
+    assert b.mailbox.metrics.polls.labels(result="too_large")._value.get() == 2  # once per poll that found it
     assert numbers(b.poll()) == (1, False)  # a poll without a budget gets it
 
 

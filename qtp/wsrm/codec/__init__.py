@@ -13,6 +13,7 @@ from qtp.wsrm.codec._batch import (
     batch_accept,
     decode_batch,
     encode_batch,
+    framed_size,
 )
 from qtp.wsrm.codec._decode import (
     DEFAULT_MAX_BYTES,
@@ -49,8 +50,9 @@ __all__ = [
     "BATCH_CONTENT_TYPE", "COMBINATIONS", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_DEPTH", "DEFAULT_MAX_ELEMENTS",
     "MAKE_CONNECTION_ACTION", "MISSING_SELECTION", "RM_NS", "SCHEMA_FILES", "SOAP_NS", "UNSUPPORTED_SELECTION",
     "WSA_NS", "WSMC_ANONYMOUS", "WSMC_FAULT_ACTION", "WSMC_NS", "WSMC_SCHEMA_FILE",
-    "Addressing", "BatchRoom", "CheckedPayload", "EncodingError", "Envelope", "InvalidMessage", "MakeConnection", "SoapFault",
-    "SoapVersion", "Validator", "WsaVersion",
-    "accepted_batch", "action", "anonymous", "batch_accept", "check_payload", "decode", "decode_batch", "default_action", "encode", "encode_batch",
-    "format_duration", "mc_anonymous", "mc_id", "most_elements", "parse_duration", "reply_destination",
+    "Addressing", "BatchRoom", "CheckedPayload", "EncodingError", "Envelope", "InvalidMessage", "MakeConnection",
+    "SoapFault", "SoapVersion", "Validator", "WsaVersion",
+    "accepted_batch", "action", "anonymous", "batch_accept", "check_payload", "decode", "decode_batch",
+    "default_action", "encode", "encode_batch", "format_duration", "framed_size", "mc_anonymous", "mc_id",
+    "most_elements", "parse_duration", "reply_destination",
 ]

@@ -44,7 +44,12 @@ class BatchRoom:
 
     def framed(self, parts: list[bytes]) -> int:
         """The length of the batch body that carries ``parts``."""
-        return len(_MAGIC) + sum(len(b"%d\n" % len(part)) + len(part) for part in parts)
+        return framed_size(parts)
+
+
+def framed_size(parts: list[bytes]) -> int:
+    """The length of the batch body that carries ``parts``."""
+    return len(_MAGIC) + sum(len(b"%d\n" % len(part)) + len(part) for part in parts)
 
 
 def batch_accept(most: int, size: int) -> str:

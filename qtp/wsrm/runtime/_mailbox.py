@@ -67,6 +67,7 @@ from qtp.wsrm.codec import (
     anonymous,
     batch_accept,
     decode_batch,
+    framed_size,
     mc_anonymous,
     mc_id,
 )
@@ -85,10 +86,15 @@ _too_large = RefusalWarnings(summary="%s more poll(s) found a held message too l
                              "last %.0f s")
 _unread = RefusalWarnings(summary="%s more poll answer(s) over this node's max_response_bytes (%s) in the last %.0f s")
 
-_SPARE = 8  # bytes kept free in a batch answer: the last envelope is written again with MessagePending false
+_SPARE = len("false") - len("true")  # the last envelope given is written again with MessagePending false
 SUSPECT_POLLS = 5          # bare 202 answers in a row, and
 SUSPECT_SECONDS = 60.0     # for this long, from a peer that never returned a message to a poll: reported
 REPORT_INTERVAL = 600.0    # the warning again, at most this often, while it lasts
+
+
+def _answer_size(parts: list[bytes]) -> int:
+    """The body of the answer that gives ``parts``: one standard envelope alone, else a qtp batch."""
+    return len(parts[0]) if len(parts) == 1 else framed_size(parts)
 
 
 def node_address(node_id: str) -> str:
@@ -275,8 +281,8 @@ class Mailbox:
                     del box[s]
             used = went + (len(acks) if carried else 0)
             more = len(ready) - used - len(too_large) > 0
-        for entry in too_large:
-            self._report_too_large(owner, client, entry, room)
+        if too_large:
+            self._report_too_large(owner, client, too_large, room)
         if not envelopes:
             self.metrics.polls.labels(result="empty").inc()
             return NOTHING
@@ -303,9 +309,9 @@ class Mailbox:
             data = wire(envelope)
             if not parts and riding:
                 with_acks = self._given(held.envelope, True, riding)
-                if room.framed([with_data := wire(with_acks)]) + _SPARE <= room.size:
+                if _answer_size([with_data := wire(with_acks)]) + _SPARE <= room.size:
                     envelope, data, carried = with_acks, with_data, True
-            if room.framed([*parts, data]) + _SPARE > room.size:
+            if _answer_size([*parts, data]) + _SPARE > room.size:
                 if parts:
                     break  # the rest go on the next poll
                 too_large.append(held)
@@ -314,12 +320,13 @@ class Mailbox:
             parts.append(data)
         return envelopes, parts, too_large, carried
 
-    def _report_too_large(self, owner: str | None, client: str | None, held: _Held, room: BatchRoom) -> None:
+    def _report_too_large(self, owner: str | None, client: str | None, held: list[_Held], room: BatchRoom) -> None:
+        """A poll found ``held`` too large for its poller: counted once per poll, warned at most once a minute."""
         self.metrics.polls.labels(result="too_large").inc()
         _too_large.warn(log, "held", "message %s of sequence %s is larger than the client %s of peer %s reads in "
                         "one answer (%d bytes, its [limits] max_response_bytes): it is not given, and the messages "
-                        "after it wait behind it, until that client's limit is raised", held.number,
-                        held.identifier, client, owner or "(anonymous)", room.size)
+                        "after it wait behind it, until that client's limit is raised", held[0].number,
+                        held[0].identifier, client, owner or "(anonymous)", room.size)
 
     def _drop_acknowledged(self) -> None:
         """Forget messages acknowledged since they were held, acknowledgements of inbound sequences the
