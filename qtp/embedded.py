@@ -215,10 +215,9 @@ class EmbeddedPostgres:
         pid = self.postmaster_pid()
         if pid is None or _pid_alive(pid):
             return
-        pattern = f"postgres.*{self.datadir}"
         deadline = time.monotonic() + 10.0
-        while _processes_matching(pattern) and time.monotonic() < deadline:
-            subprocess.run(["pkill", "-KILL", "-f", pattern], capture_output=True)
+        while _processes_matching(self._processes) and time.monotonic() < deadline:
+            self._kill_leftovers()
             time.sleep(0.05)
         for lock in self.datadir.glob(".s.PGSQL.*.lock"):
             lock.unlink(missing_ok=True)
@@ -263,7 +262,15 @@ class EmbeddedPostgres:
         if _pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
         _wait_gone(pid)
-        subprocess.run(["pkill", "-KILL", "-f", f"postgres.*{self.datadir}"], capture_output=True)
+        self._kill_leftovers()
+
+    @property
+    def _processes(self) -> str:
+        """A ``pgrep -f`` pattern for this cluster's processes (postmaster and backends)."""
+        return f"postgres.*{self.datadir}"
+
+    def _kill_leftovers(self) -> None:
+        subprocess.run(["pkill", "-KILL", "-f", self._processes], capture_output=True)
 
     def create_database(self, name: str) -> str:
         """Create ``name`` if it does not exist; return its URL."""

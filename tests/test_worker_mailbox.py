@@ -27,6 +27,7 @@ from qtp.wsrm.codec import (
     WsaVersion,
     accepted_batch,
     decode,
+    framed_size,
     mc_anonymous,
     mc_id,
 )
@@ -248,10 +249,10 @@ def test_messages_that_do_not_fit_the_bytes_are_given_at_the_next_poll_not_after
     whole = b.poll(room=BatchRoom(256, 1 << 20))
     assert len(whole.batch) == 4
     b.clock.advance(b.limits.retransmit_interval)  # none acknowledged: all are given again
-    two = BatchRoom(256, BatchRoom(256, 0).framed(list(whole.batch[:2])) + 50)
+    two = BatchRoom(256, framed_size(list(whole.batch[:2])) + 50)
     assert batch_numbers(b.poll(room=two)) == [(1, True), (2, True)]  # 3 and 4 did not fit: more waits
     got = b.poll(room=two)  # at once: the clock has not moved
-    assert [n for n, _ in batch_numbers(got)] == [3, 4] and two.framed(list(got.batch)) <= two.size
+    assert [n for n, _ in batch_numbers(got)] == [3, 4] and framed_size(list(got.batch)) <= two.size
 
 
 def test_one_message_for_a_batch_poller_is_a_standard_envelope():

@@ -30,6 +30,7 @@ from qtp.wsrm.codec import (
     default_action,
     encode,
     encode_batch,
+    framed_size,
     mc_anonymous,
 )
 from qtp.wsrm.protocol import Sequence, SequenceAcknowledgement
@@ -232,6 +233,6 @@ def test_the_batch_a_polls_accept_header_takes(header, room):
     assert accepted_batch(header) == room
 
 
-def test_a_batch_rooms_framed_size_is_the_encoded_batchs_length():
+def test_framed_size_is_the_encoded_batchs_length():
     parts = [b"<a/>", b"x" * 1234, b"<b>" * 7]
-    assert BatchRoom(3, 1).framed(parts) == len(encode_batch(parts))
+    assert framed_size(parts) == len(encode_batch(parts))

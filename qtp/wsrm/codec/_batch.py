@@ -42,10 +42,6 @@ class BatchRoom:
     most: int
     size: int
 
-    def framed(self, parts: list[bytes]) -> int:
-        """The length of the batch body that carries ``parts``."""
-        return framed_size(parts)
-
 
 def framed_size(parts: list[bytes]) -> int:
     """The length of the batch body that carries ``parts``."""

@@ -180,16 +180,7 @@ class Mailbox:
             metrics.polls.labels(result="fault").inc()
             return fault(env, SoapFault("Receiver", UNSUPPORTED_SELECTION,
                                         "the Address is not a WS-MakeConnection anonymous URI"))
-        if room is not None:
-            return self._fill(caller, client, poll.identifier, room)
-        given, more = self.take(caller, client, poll.identifier)
-        if not given:
-            metrics.polls.labels(result="empty").inc()
-            return NOTHING
-        metrics.polls.labels(result="message").inc()
-        metrics.poll_batch.observe(1)
-        envelope = given[0].envelope
-        return Answer(replace(envelope, message_pending=more, addressing=self._answerable(envelope.addressing)), 200)
+        return self._fill(caller, client, poll.identifier, room)
 
     def _answerable(self, addressing: Addressing) -> Addressing:
         """``addressing`` with ReplyTo = this node's endpoint: a message given on a poll's response can be
@@ -220,38 +211,15 @@ class Mailbox:
         if seq is not None and seq.offered:  # a poll took something of it: it lives on
             seq.polled = True
 
-    def take(self, owner: str | None, client: str | None, identifier: str | None = None) -> tuple[list[_Held], bool]:
-        """What goes to the next poll of ``client`` (or, with ``client`` None, of any of ``owner``'s clients)
-        that takes one message (another stack's), only about sequence ``identifier`` when given; and whether
-        more wait. The lowest-numbered message, with the acknowledgements held for the same client riding
-        along; else one lone acknowledgement; else one control message."""
-        self._drop_acknowledged()
-        now = self.clock.monotonic()
-        with self._mutex:
-            ready = self._ready(owner, client, identifier, now)
-            if not ready:
-                return [], False
-            slot, held, box = ready[0]
-            self._mark_polled(held)
-            if slot[0] != "message":  # an acknowledgement or a control message goes once: its sender asks again
-                del box[slot]
-                return [held], len(ready) > 1
-            held.given_at = now
-            acks = [(s, h) for s, h, b in ready if s[0] == "ack" and b is box]
-            for s, _ in acks:
-                del box[s]
-            if acks:  # (a copy: the held message itself is given again, without them, if it is lost)
-                held = replace(held, envelope=replace(held.envelope, acks=held.envelope.acks + tuple(
-                    a for _, h in acks for a in h.envelope.acks)))
-            return [held], len(ready) > 1 + len(acks)
-
-    def _fill(self, owner: str | None, client: str | None, identifier: str | None, room: BatchRoom) -> Answer:
-        """The answer to a qtp poller's poll: as many waiting messages of one client as ``room`` takes (count
-        and bytes), the acknowledgements held for that client riding on the first when they fit (else they
-        wait for the next poll); nothing the poller could not read is given. A message larger than the
-        poller reads in one answer is never given to it (it could not read it, and would poll for it again at
-        once): it waits, reported, until the poller's limit is raised. With no message, one acknowledgement
-        or control message goes, as for any poller."""
+    def _fill(self, owner: str | None, client: str | None, identifier: str | None, room: BatchRoom | None) -> Answer:
+        """The answer to a poll of ``client`` (or, with ``client`` None, of any of ``owner``'s clients), only
+        about sequence ``identifier`` when given. Messages of one client go first, lowest number first, the
+        acknowledgements held for that client riding on the first; with no message, one acknowledgement or
+        control message goes (once: its sender asks again if it is lost). Another stack's poll (``room``
+        None) takes one message. A qtp poller's takes as many as ``room`` allows (count and bytes), and
+        nothing it could not read: the acknowledgements ride only when they fit (else they wait for the next
+        poll), and a message larger than it reads in one answer is never given to it (it would poll for it
+        again at once): it waits, reported, until the poller's limit is raised."""
         self._drop_acknowledged()
         now = self.clock.monotonic()
         with self._mutex:
@@ -267,21 +235,20 @@ class Mailbox:
                 return Answer(self._given(held.envelope, len(ready) > 1), 200)
             acks = [(s, h) for s, h, b in ready if s[0] == "ack" and b is box]
             riding = tuple(a for _, h in acks for a in h.envelope.acks)
-            messages = [h for s, h, b in ready if s[0] == "message" and b is box][:room.most]
+            messages = [h for s, h, b in ready if s[0] == "message" and b is box][:1 if room is None else room.most]
             envelopes, parts, too_large, carried = self._pack(messages, riding, room)
             went = len(envelopes)  # messages given
             for entry in messages[len(too_large):len(too_large) + went]:
                 entry.given_at = now
             if not envelopes and acks:  # every message was too large for the poller: its acknowledgements go
-                envelopes = [self._given(acks[0][1].envelope, True, tuple(
-                    a for _, h in acks[1:] for a in h.envelope.acks))]
-                parts, carried = [wire(envelopes[0])], True
+                envelopes, carried = [self._given(acks[0][1].envelope, True, tuple(
+                    a for _, h in acks[1:] for a in h.envelope.acks))], True
             if carried:
                 for s, _ in acks:
                     del box[s]
             used = went + (len(acks) if carried else 0)
             more = len(ready) - used - len(too_large) > 0
-        if too_large:
+        if too_large and room is not None:
             self._report_too_large(owner, client, too_large, room)
         if not envelopes:
             self.metrics.polls.labels(result="empty").inc()
@@ -289,17 +256,21 @@ class Mailbox:
         self.metrics.polls.labels(result="message").inc()
         if not more:  # the last says that nothing more waits
             envelopes[-1] = replace(envelopes[-1], message_pending=False)
-            parts[-1] = wire(envelopes[-1])
         self.metrics.poll_batch.observe(len(envelopes))
         if len(envelopes) == 1:
             return Answer(envelopes[0], 200)
+        if not more:
+            parts[-1] = wire(envelopes[-1])
         return Answer(envelopes[0], 200, tuple(parts))
 
     def _pack(self, messages: list[_Held], riding: tuple[SequenceAcknowledgement, ...],
-              room: BatchRoom) -> tuple[list[Envelope], list[bytes], list[_Held], bool]:
+              room: BatchRoom | None) -> tuple[list[Envelope], list[bytes], list[_Held], bool]:
         """The envelopes (and their bytes) of ``messages`` that fit in ``room``, in order, the ``riding``
         acknowledgements on the first when they fit with it; the leading messages too large for ``room``
-        even alone (skipped); and whether the acknowledgements went."""
+        even alone (skipped); and whether the acknowledgements went. Without ``room`` (another stack's poll:
+        one message, its size unknown to us) everything fits and nothing is encoded here."""
+        if room is None:
+            return [self._given(held.envelope, True, riding) for held in messages], [], [], bool(riding)
         envelopes: list[Envelope] = []
         parts: list[bytes] = []
         too_large: list[_Held] = []
