@@ -16,6 +16,11 @@
     [resources.queue]
     url = "mysql+pymysql://qtp@db2/queue"
 
+    [lease]                      # optional: the node runs as several processes (replicas), one owner at a time
+    resource = "app"             # the SQL resource holding the lease (default: [node] store, else the only one)
+    ttl = 10                     # seconds; a standby takes over this long after the owner stopped renewing
+    standby = "wait"             # a second process waits as a standby, or "refuse"s to start
+
     [recovery]                   # optional
     interval = 60                # seconds between background recovery passes (0: only at start)
     warn_prepared_age = 300      # `qtp status` warns about branches prepared longer ago than this
@@ -59,6 +64,29 @@ _MESSAGING_NODE_KEYS = ("endpoint", "listen", "store", "mode", "allow_anonymous"
                         "tls_client_ca", "tls_ca", "metrics_token", "anonymous_addresses")
 
 
+@dataclass(frozen=True)
+class LeaseSettings:
+    """``[lease]``: where the lease lives, how long it lasts, what a second process does."""
+
+    resource: str | None = None  # the SQL resource holding the lease (None: the node's store, else the only one)
+    ttl: float = 10.0            # seconds a lease lasts without renewal: a standby takes over this long after
+    renew: float | None = None   # seconds between renewals (default ttl / 5)
+    standby: str = "wait"        # wait (as a standby) | refuse (raise LeaseHeldError)
+
+    def __post_init__(self) -> None:
+        if not 0.5 <= self.ttl <= 3600:
+            raise ConfigurationError(f"[lease] ttl must be between 0.5 and 3600 seconds, got {self.ttl!r}")
+        if self.renew is not None and not 0 < self.renew <= self.ttl / 2:
+            raise ConfigurationError(f"[lease] renew must be positive and at most half of ttl ({self.ttl / 2:g} s), "
+                                     f"got {self.renew!r}")
+        if self.standby not in ("wait", "refuse"):
+            raise ConfigurationError(f"[lease] standby must be \"wait\" or \"refuse\", got {self.standby!r}")
+
+    @property
+    def renew_every(self) -> float:
+        return self.renew if self.renew is not None else self.ttl / 5
+
+
 @dataclass
 class Config:
     node_id: str
@@ -71,6 +99,7 @@ class Config:
     messaging: dict = field(default_factory=dict)  # [node] endpoint/store/mode, [channels.*], [limits]
     llr: bool = True
     last_resources: set[str] = field(default_factory=set)
+    lease: LeaseSettings | None = None  # [lease]: one owner among the node's processes (qtp.coordinator._lease)
 
 
 def load_config(path: str | Path) -> Config:
@@ -101,7 +130,7 @@ def load_config(path: str | Path) -> Config:
             last_resources.add(name)
     if not isinstance(node.get("llr", True), bool):
         raise ConfigurationError(f"{path}: [node] llr must be true or false")
-    unknown = set(data) - {"node", "resources", "channels", "recovery", "limits", "peers", "coupled"}
+    unknown = set(data) - {"node", "resources", "channels", "recovery", "limits", "peers", "coupled", "lease"}
     if unknown:
         raise ConfigurationError(f"{path}: unknown table(s) {sorted(unknown)}; expected [node] and [resources.NAME]")
     try:
@@ -115,9 +144,35 @@ def load_config(path: str | Path) -> Config:
     for key in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca"):  # relative to the file, like log_dir
         if isinstance(messaging["node"].get(key), str) and not Path(messaging["node"][key]).is_absolute():
             messaging["node"][key] = str(path.parent / messaging["node"][key])
+    lease = _lease_settings(path, data, resources)
     return Config(node_id=str(node["id"]), log_dir=log_dir, timeout=timeout, resources=resources, path=path,
                   recovery_interval=interval, warn_prepared_age=warn_age, messaging=messaging,
-                  llr=node.get("llr", True), last_resources=last_resources)
+                  llr=node.get("llr", True), last_resources=last_resources, lease=lease)
+
+
+def _lease_settings(path: Path, data: dict, resources: dict[str, str]) -> LeaseSettings | None:
+    """``[lease] resource, ttl, renew, standby`` (docs/operations.md, "Running a node as replicas")."""
+    table = data.get("lease")
+    if table is None:
+        return None
+    if not isinstance(table, dict) or set(table) - {"resource", "ttl", "renew", "standby"}:
+        raise ConfigurationError(f"{path}: [lease] takes resource = \"NAME\", ttl = SECONDS, renew = SECONDS and "
+                                 "standby = \"wait\" | \"refuse\"")
+    if data.get("coupled"):
+        raise ConfigurationError(f"{path}: [lease] with [coupled] is not supported: a coupled node runs as one process")
+    resource = table.get("resource", (data.get("node") or {}).get("store"))
+    if resource is not None and resource not in resources:
+        raise ConfigurationError(f"{path}: [lease] resource {resource!r} is not one of [resources.*] "
+                                 f"({', '.join(sorted(resources)) or 'none'})")
+    try:
+        ttl = float(table.get("ttl", 10.0))
+        renew = None if table.get("renew") is None else float(table["renew"])
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{path}: [lease] ttl and renew must be numbers of seconds") from None
+    try:
+        return LeaseSettings(resource, ttl, renew, str(table.get("standby", "wait")))
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{path}: {exc}") from None
 
 
 def _recovery_settings(path: Path, table: object) -> tuple[float | None, float]:

@@ -17,7 +17,9 @@
     │   ├── ConflictError                 serialization failure or deadlock: the database rolled the branch
     │   │                                 back (retryable)
     │   ├── PrepareRefusedError           the database cannot prepare (max_prepared_transactions = 0, ...)
-    │   └── ConnectionClosedError         a connection used outside the transaction that owns it
+    │   ├── ConnectionClosedError         a connection used outside the transaction that owns it
+    │   └── FencedError                   a commit refused: this process does not hold its node's lease now
+    ├── LeaseHeldError                    another live process owns the node ([lease] standby = "refuse")
     ├── LogError                          the decision log (also: a failed log refuses new transactions)
     │   ├── LogLockedError                another live manager holds the log directory
     │   │   └── LiveManagerError          `qtp recover` asked to act beside the node's live manager
@@ -115,6 +117,16 @@ class PrepareRefusedError(ResourceError):
 
 class ConnectionClosedError(ResourceError):
     """A connection was used after its transaction ended (your code kept it too long)."""
+
+
+class FencedError(ResourceError):
+    """A commit refused because this process does not hold its node's lease now (``[lease]``): another
+    process has taken the node over, or this one could not renew in time. Nothing of the transaction
+    committed; a process that lost its lease stops (``qtp serve`` exits with status 75)."""
+
+
+class LeaseHeldError(QtpError):
+    """Another live process owns the node (``[lease] standby = "refuse"``, or ``qtp recover`` beside it)."""
 
 
 class LogError(QtpError):

@@ -29,10 +29,13 @@ from typing import Any, Callable, Iterator, Protocol
 import tenacity
 from sqlalchemy.engine import Engine
 
+from qtp.config import LeaseSettings
+from qtp.coordinator._lease import Lease, limit_idle
 from qtp.coordinator._log import DecisionLog, log_present, read_lost_mark, write_lost_mark
 from qtp.coordinator._transaction import Branch, State, Transaction, run_each
 from qtp.errors import (
     ConfigurationError,
+    FencedError,
     LogError,
     NestedTransactionError,
     NoTransactionError,
@@ -72,7 +75,8 @@ class TransactionManager:
     def __init__(self, node_id: str, log_dir: str | Path = DEFAULT_LOG_DIR, timeout: float = DEFAULT_TIMEOUT_S,
                  phase_two_retry_s: float = 30.0, max_workers: int = 32,
                  recovery_interval: float | None = DEFAULT_RECOVERY_INTERVAL_S, llr: bool = True,
-                 recovery_factory: Callable[["TransactionManager"], RecoveryScheduler] | None = None):
+                 recovery_factory: Callable[["TransactionManager"], RecoveryScheduler] | None = None,
+                 lease: LeaseSettings | None = None):
         self.node_id = validate_name("node id", node_id, MAX_NODE_ID)
         self.gtrid_prefix = f"{node_id}/".encode()  # a transaction's gtrid: this + 32 random hex digits
         if not math.isfinite(timeout) or timeout <= 0:
@@ -80,7 +84,10 @@ class TransactionManager:
         self.log_dir = Path(log_dir) / node_id
         self.timeout = float(timeout)
         self.phase_two_retry_s = phase_two_retry_s
-        if read_lost_mark(self.log_dir) is None and not log_present(self.log_dir):
+        # With a lease every decision is a row in a database (qtp.coordinator._lease): a new, empty log
+        # folder (a replica's first start on its host) loses nothing, and must not quarantine the branches
+        # another replica left in doubt.
+        if lease is None and read_lost_mark(self.log_dir) is None and not log_present(self.log_dir):
             # Durable before the log creates its first segment: see read_lost_mark.
             write_lost_mark(self.log_dir, {"created_at": time.time(), "vetted": []})
         self.log = DecisionLog(self.log_dir)
@@ -105,6 +112,9 @@ class TransactionManager:
         self._forget_lock = threading.Lock()
         self._forgetter: threading.Thread | None = None
         self._forget_wakeup = threading.Event()
+        self.lease_settings = lease
+        self.lease: Lease | None = None  # taken by start_recovery(), before anything is recovered
+        self._lease_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, path: str | Path) -> "TransactionManager":
@@ -113,7 +123,7 @@ class TransactionManager:
 
         config = load_config(path)
         manager = cls(config.node_id, config.log_dir, timeout=config.timeout,
-                      recovery_interval=config.recovery_interval, llr=config.llr)
+                      recovery_interval=config.recovery_interval, llr=config.llr, lease=config.lease)
         for name, url in config.resources.items():
             manager.add_resource(name, url, last_resource=name in config.last_resources)
         manager.start_recovery()
@@ -193,6 +203,9 @@ class TransactionManager:
                 "start-up recovery reads the log and ends every in-doubt branch), or run `qtp recover`")
         if self._recovery is None:
             self.start_recovery()
+        if self.lease is not None and self.lease.lost.is_set():
+            raise FencedError(f"node {self.node_id!r}: this process lost the node's lease "
+                              f"({self.lease.lost_reason}): it starts no transaction")
         current = self._current.get()
         if current is not None and current.outcome is None:
             raise NestedTransactionError(
@@ -295,11 +308,60 @@ class TransactionManager:
         if factory is None:
             raise ConfigurationError("no recovery for this manager: import qtp.recovery (import qtp does), or pass "
                                      "TransactionManager(recovery_factory=...)")
+        if self.lease_settings is not None:
+            with self._lease_lock:
+                if self.lease is None:
+                    self._take_lease(self.lease_settings)  # blocks while another process owns the node
         with self._in_flight_lock:
             if self._recovery is not None:
                 return None
             self._recovery = factory(self)
         return self._recovery.start()
+
+    # ------------------------------------------------------------------ the node's lease (replicas)
+
+    def _take_lease(self, settings: LeaseSettings) -> None:
+        """Own the node before recovering anything: another live process's prepared branches are not
+        crash leftovers. Then fence every one-phase commit of every resource (qtp.coordinator._lease)."""
+        if not self.llr:
+            raise ConfigurationError(f"node {self.node_id!r}: [lease] needs llr = true: a standby must find every "
+                                     "commit decision in a database, and the file log is on another host")
+        resources = self.distinct_resources()
+        memory = [r.name for r in resources if getattr(r, "url", None) is None]
+        if memory or not resources:
+            raise ConfigurationError(f"node {self.node_id!r}: [lease] needs every resource to be a SQL database "
+                                     f"(not {', '.join(memory) or 'none at all'}): a standby takes over only what "
+                                     "is in the databases")
+        if settings.resource is not None:
+            home = self.resource(settings.resource)
+        elif len(resources) == 1:
+            home = resources[0]
+        else:
+            raise ConfigurationError(f"node {self.node_id!r}: [lease] resource = \"NAME\" is needed: which of "
+                                     f"{', '.join(sorted(self._resources))} holds the lease")
+        self.lease = Lease(self.node_id, settings, home, resources, self._lease_lost)
+        for resource in resources:
+            resource.fence = self.fence
+            limit_idle(resource.engine, settings.ttl)
+        self.lease.acquire()
+
+    def fence(self, raw: Any, family: str) -> None:
+        """Before a fenced commit on DBAPI connection ``raw``: FencedError unless this process owns the node."""
+        lease = self.lease
+        if lease is None:
+            raise FencedError(f"node {self.node_id!r} has a [lease] and this process has not taken it yet: "
+                              "nothing commits before start_recovery() took it")
+        lease.fence(raw, family)
+
+    def limit_idle(self, engine: Any) -> None:
+        """A store engine of this node: its sessions end transactions idle longer than the lease."""
+        if self.lease_settings is not None:
+            limit_idle(engine, self.lease_settings.ttl)
+
+    def _lease_lost(self, why: str) -> None:
+        """Another process owns the node now: the workers stop (their commits are refused already)."""
+        if self.node is not None:
+            threading.Thread(target=self.node.stop, name="qtp-lease-lost", daemon=True).start()
 
     def recover(self, dry_run: bool = False) -> Any:
         """One recovery pass now (in-flight transactions are left alone); returns its RecoveryReport."""
@@ -433,6 +495,8 @@ class TransactionManager:
         if self._forgetter is not None:
             self._forgetter.join()
         self.forget_now()
+        if self.lease is not None:
+            self.lease.release()
         self.log.close()
         for resource in self.distinct_resources():
             resource.close()

@@ -558,6 +558,11 @@ class Transaction:
         self._phase_two(prepared)
 
     def _decide(self, prepared: list[Branch]) -> None:
+        if self.manager.lease_settings is not None:  # a standby on another host could not read this decision
+            self._abort(ConfigurationError("the node runs with a [lease], so a commit decision must be a row in "
+                                           "one of its SQL databases, and no branch can carry it (MariaDB with "
+                                           "the binary log cannot be the last resource)"),
+                        "its decision would go to the file log")
         self._fire(Event.DECIDE)  # an interrupt from here on asks the log whether the record was appended
         try:
             self.manager.log.log_commit(self.xid, [b.name for b in prepared])

@@ -230,6 +230,7 @@ def run_pass(
     unvetted: set[str] | frozenset = frozenset(),
     dry_run: bool = False,
     workers: int = 16,
+    held: Callable[[], None] | None = None,
 ) -> tuple[RecoveryReport, set[Xid]]:
     """Scan, decide, act, write END records. Returns the report and the set of xids seen in doubt.
 
@@ -237,11 +238,15 @@ def run_pass(
     ``qtp.coordinator._log.read_lost_mark``) are left in doubt whatever the log says.
 
     The order of the reads (in-doubt lists, then ``in_flight()``, then the decisions) is what makes the
-    pass safe beside a live manager; see the module docstring.
+    pass safe beside a live manager; see the module docstring. ``held`` (a node run as replicas) raises
+    unless this process still owns the node once the scan is done: then every branch scanned is of an owner
+    before it, never of a process that took over since (qtp.coordinator._lease).
     """
     started = time.monotonic()
     report = RecoveryReport(node_id, dry_run=dry_run)
     found = scan(resources, report)
+    if held is not None:
+        held()
     plan = Plan(found, None, set(in_flight()), previous, set(quarantine), set(unvetted))
     plan.decisions = read_decisions()
     plan.llr, plan.unreadable = read_last_resource_decisions(node_id, resources)

@@ -63,6 +63,7 @@ class RecoveryService:
                 in_flight=self.manager.in_flight, end=self.manager.log.log_end,
                 previous=self._previous if two_pass else None, quarantine=self._quarantine,
                 unvetted=self._unvetted, dry_run=dry_run,
+                held=None if self.manager.lease is None else self.manager.lease.verify,
             )
             if report.ended and not dry_run:
                 self.manager.log.flush()

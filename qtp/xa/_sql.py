@@ -188,6 +188,8 @@ class SqlResource(Resource):
     """Common machinery; subclasses supply the database's two-phase statements (``_xa_*``)."""
 
     family: str = ""
+    # fence(dbapi_connection, family) before a one-phase COMMIT: set by a manager whose node has a [lease]
+    fence: Any = None
 
     def __init__(self, name: str, url_or_engine: str | URL | Engine, node_id: str, **engine_kw: Any):
         self.name = validate_name("resource name", name)
@@ -360,6 +362,9 @@ class SqlResource(Resource):
             self._finish(branch, self._xa_end_read_only, "read-only")
             return
         if one_phase:
+            if self.fence is not None:  # the node runs as replicas: see qtp.coordinator._lease
+                with self.translate("check the node's lease", xid):
+                    self.fence(branch.raw, self.family)
             self._finish(branch, self._xa_commit_one_phase, "commit_one_phase")
         else:
             self._finish(branch, self._xa_commit, "commit")

@@ -90,6 +90,11 @@ class Node:
     def __init__(self, manager: Any, settings: NodeSettings | None = None):
         settings = settings or NodeSettings()
         check(settings)
+        memory = [name for name, c in settings.channels.items() if c.mode == "memory"]
+        if getattr(manager, "lease_settings", None) is not None and (settings.mode == "memory" or memory):
+            raise ConfigurationError(f"node {manager.node_id!r} has a [lease] (replicas), and a standby cannot take "
+                                     f"over what is in memory: mode \"memory\" on {'[node]' if settings.mode == 'memory' else ', '.join(memory)}; "
+                                     "use xa or persistent")
         self.manager = manager
         self.settings = settings
         self.limits: Limits = settings.limits

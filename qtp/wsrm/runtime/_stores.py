@@ -72,7 +72,11 @@ class Stores:
             # SQLAlchemy answers by emptying the pool; each caller already retries a failed transaction.
             engine = share_tls_context(sqlalchemy.create_engine(url, pool_size=8, max_overflow=16,
                                                                 pool_reset_on_return=None))
-            self._stores[key] = SqlStore(resource, engine)
+            fence = None
+            if getattr(self._manager, "lease_settings", None) is not None:  # replicas: see qtp.coordinator._lease
+                self._manager.limit_idle(engine)
+                fence = self._manager.fence
+            self._stores[key] = SqlStore(resource, engine, fence)
         return self._stores[key]
 
     def for_channel(self, channel: ChannelSettings) -> Store:

@@ -31,7 +31,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy
 
 from qtp._render import table
 from qtp.config import load_config
@@ -41,6 +40,9 @@ from qtp.wsrm.runtime._http import single_malloc_arena
 from qtp.wsrm.runtime._invoker import REDELIVERY
 from qtp.wsrm.runtime._node import Node
 from qtp.wsrm.runtime._status import stores
+
+
+LEASE_LOST_EXIT = 75  # EX_TEMPFAIL: `qtp serve` lost its node's lease to another process ([lease])
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,8 +75,16 @@ def run_serve(args: argparse.Namespace) -> int:
                               else "no endpoint: sending only")
     print(f"qtp serve: node {node.manager.node_id} at {where}; "
           f"channels {', '.join(sorted(node.channels)) or 'none'}; handlers {len(node.handlers)}", flush=True)
-    while not stop.wait(1.0):
-        pass
+    lease = node.manager.lease
+    while not stop.wait(0.2):
+        if lease is not None and lease.lost.is_set():
+            # another process owns the node now: stop at once (nothing here commits any more), and say so
+            # with status 75 (EX_TEMPFAIL), so that a supervisor starts this process again, as a standby
+            node.stop()
+            node.manager.close(drain_s=1.0)
+            print(f"qtp serve: node {node.manager.node_id}: this process lost the node's lease "
+                  f"({lease.lost_reason}); exiting with status {LEASE_LOST_EXIT}", file=sys.stderr, flush=True)
+            return LEASE_LOST_EXIT
     node.close()
     return 0
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql
@@ -158,9 +158,12 @@ class SqlStore(Store):
 
     durable = True
 
-    def __init__(self, resource: str, engine: Engine):
+    def __init__(self, resource: str, engine: Engine, fence: Callable[[Any, str], None] | None = None):
         self.name = resource
         self.engine = engine
+        # a node run as replicas ([lease]): fence(dbapi_connection, family) before every commit
+        self.fence = fence
+        self._family = "postgresql" if engine.dialect.name == "postgresql" else "mysql"
 
     def __repr__(self) -> str:
         return f"<SqlStore {self.name} {self.engine.url.render_as_string(hide_password=True)}>"
@@ -180,6 +183,8 @@ class SqlStore(Store):
     def local(self) -> Iterator[Connection]:
         with self.engine.begin() as conn:
             yield conn
+            if self.fence is not None:
+                self.fence(conn.connection.dbapi_connection, self._family)
 
     # ------------------------------------------------------------------ RM Source side
 
