@@ -54,6 +54,8 @@ def render_status(status: NodeStatus) -> str:
     else:
         lines.append("  log: missing (no segment file)")
     lines.append(f"  last-resource decision rows (Logging Last Resource): {status.last_resource_decisions}")
+    if status.lease is not None:
+        lines.append(render_lease(status.lease))
     for name, entry in status.resources.items():
         if entry["unreachable"]:
             lines.append(f"  resource {name}: UNREACHABLE: {entry['unreachable']}")
@@ -66,4 +68,16 @@ def render_status(status: NodeStatus) -> str:
             lines += ["    " + line for line in rows.splitlines()]
     for warning in status.warnings:
         lines.append(f"WARNING: {warning}")
+    return "\n".join(lines)
+
+
+def render_lease(lease: dict) -> str:
+    """The owner, its epoch and lease, and every process of the node seen ([lease]: replicas)."""
+    expires = lease["expires_in_s"]
+    state = "expired" if expires is None or expires <= 0 else f"expires in {expires:.1f} s unless renewed"
+    lines = [f"  lease: owner {lease['holder']}, epoch {lease['epoch']}, held for {age(lease['acquired_s_ago'])}, "
+             f"{state}"]
+    rows = [[m["member"], m["role"] if m["role"] == "left" or m["expires_in_s"] > 0 else f"{m['role']} (gone)",
+             m["epoch"], age(m["seen_s_ago"]) + " ago"] for m in lease["members"]]
+    lines += ["    " + line for line in table(["process", "role", "epoch", "last seen"], rows).splitlines()]
     return "\n".join(lines)

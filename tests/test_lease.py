@@ -123,7 +123,7 @@ def test_a_second_process_waits_as_a_standby_and_takes_over_when_the_owner_close
     waiter.start()
     time.sleep(1.0)
     assert waiter.is_alive() and second.lease.epoch == 0  # still waiting: the owner renews
-    view = read_lease(first.resource("a"), NODE)
+    view = read_lease(first.resource("a").url, NODE)
     assert view.holder == first.lease.member and {m["role"] for m in view.members} >= {"owner", "standby"}
     closed = time.monotonic()
     first.close()  # a clean close marks the owner gone: no waiting for the lease to expire
@@ -248,3 +248,49 @@ def test_configurations_that_cannot_be_taken_over_are_refused(tmp_path, dbs, clo
             load_config(config)
     config.write_text(f"[node]\nid = \"n\"\nstore = \"app\"\n[resources.app]\nurl = \"{dbs[0].url}\"\n[lease]\nttl = 3\n")
     assert load_config(config).lease == LeaseSettings(resource="app", ttl=3.0)
+
+
+def config_file(tmp_path, host: str, dbs, ttl: float = 2.0):
+    """The qtp.toml of one replica (its own log folder) of node NODE."""
+    path = tmp_path / f"{host}.toml"
+    path.write_text(f'[node]\nid = "{NODE}"\nlog_dir = "{tmp_path / host / "logs"}"\nstore = "a"\n'
+                    f'[resources.a]\nurl = "{dbs[0].url}"\n[resources.b]\nurl = "{dbs[1].url}"\n'
+                    f'[lease]\nresource = "a"\nttl = {ttl}\n[recovery]\ninterval = 0\n')
+    return path
+
+
+def test_status_shows_the_owner_and_standbys_and_recover_refuses_beside_a_live_owner(tmp_path, dbs, closing):
+    from qtp.recovery._node import node_status, recover_node
+    from qtp.status_cli import render_lease
+
+    config = load_config(config_file(tmp_path, "host-1", dbs))
+    first = qtp.TransactionManager.from_config(config_file(tmp_path, "host-1", dbs))
+    closing(first)
+    status = node_status(config)
+    assert status.lease["holder"] == first.lease.member and status.lease["epoch"] == 1
+    assert status.lease["expires_in_s"] > 0 and not any("no process owns" in w for w in status.warnings)
+    assert f"lease: owner {first.lease.member}, epoch 1" in render_lease(status.lease)
+    with pytest.raises(qtp.errors.LiveManagerError, match="a live process owns it"):
+        recover_node(load_config(config_file(tmp_path, "host-2", dbs)))
+    first.close()
+    status = node_status(config)
+    assert any("no process owns it now" in w for w in status.warnings)
+    assert {m["role"] for m in status.lease["members"]} == {"left"}
+    report = recover_node(load_config(config_file(tmp_path, "host-2", dbs)))  # the owner is gone: it may act
+    assert report.ok
+    after = node_status(config).lease
+    assert after["epoch"] == 2 and after["expires_in_s"] is None  # taken for the pass, then released
+
+
+def test_metrics_show_the_lease(tmp_path, dbs, closing):
+    from qtp.wsrm.runtime._settings import NodeSettings
+
+    tm = manager(tmp_path, "host-1", dbs, LeaseSettings(resource="a", ttl=2.0))
+    closing(tm)
+    tm.start_recovery()
+    node = qtp.Node(tm, NodeSettings(store="a"))
+    text_ = node.metrics.exposition()[0].decode()
+    assert f'qtp_lease_held{{member="{tm.lease.member}",node="{NODE}"}} 1.0' in text_
+    assert f'qtp_lease_epoch{{node="{NODE}"}} 1.0' in text_ and "qtp_lease_renewed_seconds_ago" in text_
+    with pytest.raises(ConfigurationError, match="cannot take over what is in memory"):
+        qtp.Node(tm, NodeSettings(mode="memory"))

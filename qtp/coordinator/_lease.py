@@ -64,7 +64,7 @@ import sqlalchemy
 from sqlalchemy import event
 
 from qtp.config import LeaseSettings
-from qtp.errors import FencedError, LeaseHeldError, QtpError
+from qtp.errors import ConfigurationError, FencedError, LeaseHeldError, QtpError
 
 log = logging.getLogger("qtp.lease")
 
@@ -168,6 +168,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._created = False
+        self._seen = False  # this process has a row in the member table
 
     def __repr__(self) -> str:
         role = "owner" if self.owner else "lost" if self.lost.is_set() else "standby"
@@ -239,7 +240,8 @@ class Lease:
                                              "member = %s", (n, holder)).first()
                 expires_at = now if found is None or found[1] == "left" else found[0]
                 if expires_at > now and holder != self.member:
-                    self._heartbeat(conn, "standby", epoch, now)
+                    if self.settings.standby == "wait":  # seen by `qtp status` as a standby
+                        self._heartbeat(conn, "standby", epoch, now)
                     return False, holder, expires_at - now
                 conn.exec_driver_sql(f"UPDATE {LEASE_TABLE} SET holder = %s, epoch = %s, acquired_at = %s "
                                      "WHERE node_id = %s", (self.member, epoch + 1, now, n))
@@ -255,6 +257,7 @@ class Lease:
                                     "WHERE node_id = %s AND member = %s", values).rowcount:
             conn.exec_driver_sql(f"INSERT INTO {MEMBER_TABLE} (role, epoch, seen_at, expires_at, node_id, member) "
                                  "VALUES (%s, %s, %s, %s, %s, %s)", values)
+        self._seen = True
 
     def _renewed(self, sent: float) -> None:
         self.renewed_at = sent
@@ -349,22 +352,34 @@ class Lease:
     # ------------------------------------------------------------------ giving it up
 
     def release(self) -> None:
-        """Stop renewing; an owner that closes cleanly marks itself gone, so a standby takes over at once."""
+        """Stop renewing and mark this process gone: a standby takes over at once from an owner that closes
+        cleanly, and `qtp status` lists a standby that stopped as gone."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        if self.owner and not self.lost.is_set():
+        if self._seen:
             try:
                 with self.home.engine.begin() as conn:
                     now = conn.exec_driver_sql(f"SELECT {self.home.now}").scalar()
                     self._heartbeat(conn, "left", self.epoch, now)
-                log.info("node %s: this process released the lease (epoch %d)", self.node_id, self.epoch)
+                if self.owner:
+                    log.info("node %s: this process released the lease (epoch %d)", self.node_id, self.epoch)
             except sqlalchemy.exc.SQLAlchemyError as exc:
                 log.warning("node %s: lease not released (%s): a standby takes over when it expires", self.node_id,
                             _first_line(exc))
         self.owner = False
         for db in self.databases:
             db.close()
+
+
+def lease_home(node_id: str, settings: LeaseSettings, names: list[str]) -> str:
+    """The name of the resource that holds the lease: ``[lease] resource``, or the node's only database."""
+    if settings.resource is not None:
+        return settings.resource
+    if len(names) == 1:
+        return names[0]
+    raise ConfigurationError(f"node {node_id!r}: [lease] resource = \"NAME\" is needed: which of "
+                             f"{', '.join(sorted(names))} holds the lease")
 
 
 def limit_idle(engine: Any, ttl: float) -> None:
@@ -383,10 +398,10 @@ def limit_idle(engine: Any, ttl: float) -> None:
             raw.commit()
 
 
-def read_lease(resource: Any, node_id: str) -> LeaseView | None:
-    """The lease of ``node_id`` as its database holds it (None: no lease table or no row), for ``qtp status``."""
-    family = _family(resource.url)
-    engine = sqlalchemy.create_engine(resource.url, poolclass=sqlalchemy.pool.NullPool)
+def read_lease(url: Any, node_id: str) -> LeaseView | None:
+    """The lease of ``node_id`` in the database at ``url`` (None: no lease table or no row), for ``qtp status``."""
+    family = _family(url)
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
     try:
         with engine.connect() as conn:
             now = conn.exec_driver_sql(f"SELECT {_NOW[family]}").scalar()

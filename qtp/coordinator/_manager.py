@@ -30,7 +30,7 @@ import tenacity
 from sqlalchemy.engine import Engine
 
 from qtp.config import LeaseSettings
-from qtp.coordinator._lease import Lease, limit_idle
+from qtp.coordinator._lease import Lease, lease_home, limit_idle
 from qtp.coordinator._log import DecisionLog, log_present, read_lost_mark, write_lost_mark
 from qtp.coordinator._transaction import Branch, State, Transaction, run_each
 from qtp.errors import (
@@ -332,13 +332,7 @@ class TransactionManager:
             raise ConfigurationError(f"node {self.node_id!r}: [lease] needs every resource to be a SQL database "
                                      f"(not {', '.join(memory) or 'none at all'}): a standby takes over only what "
                                      "is in the databases")
-        if settings.resource is not None:
-            home = self.resource(settings.resource)
-        elif len(resources) == 1:
-            home = resources[0]
-        else:
-            raise ConfigurationError(f"node {self.node_id!r}: [lease] resource = \"NAME\" is needed: which of "
-                                     f"{', '.join(sorted(self._resources))} holds the lease")
+        home = self.resource(lease_home(self.node_id, settings, [r.name for r in resources]))
         self.lease = Lease(self.node_id, settings, home, resources, self._lease_lost)
         for resource in resources:
             resource.fence = self.fence

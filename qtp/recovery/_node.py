@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from qtp.config import Config
+from qtp.coordinator._lease import Lease, lease_home, read_lease
 from qtp.coordinator._log import (
     LOST_MARK,
     DecisionLog,
@@ -34,9 +35,10 @@ from qtp.coordinator._log import (
     read_log,
     read_lost_mark,
 )
-from qtp.errors import LiveManagerError, LogLockedError, QtpError
+from qtp.errors import LeaseHeldError, LiveManagerError, LogLockedError, QtpError
 from qtp.recovery._core import RecoveryReport, age_of, read_last_resource_decisions, run_pass, scan
 from qtp.xa import Resource, resource_for
+from qtp.xa._sql import identity_of, normalize_url
 
 QUARANTINE_FILE = "QUARANTINE"
 
@@ -90,7 +92,10 @@ def recover_node(config: Config, dry_run: bool = False, workers: int = 16) -> Re
     resources = open_resources(config)
     quarantine = set(read_quarantine(directory))
     log: DecisionLog | None = None
+    lease = None
     try:
+        if config.lease is not None and not dry_run:
+            lease = _take_lease(config, resources)
         if not log_present(directory):
             read = lambda: None  # noqa: E731 - the log is missing: nothing may be presumed
             end = None
@@ -105,16 +110,43 @@ def recover_node(config: Config, dry_run: bool = False, workers: int = 16) -> Re
             read, end = (lambda: dict(log.open)), log.log_end
         unvetted = unvetted_resources(directory, [r.name for r in resources])
         report, _ = run_pass(config.node_id, resources, read, end=end, quarantine=quarantine, unvetted=unvetted,
-                             dry_run=dry_run, workers=workers)
+                             dry_run=dry_run, workers=workers, held=None if lease is None else lease.verify)
         if log is not None and report.ended:
             log.flush()
             log.checkpoint()
         return report
     finally:
+        if lease is not None:
+            lease.release()
         if log is not None:
             log.close()
         for resource in resources:
             resource.close()
+
+
+def _take_lease(config: Config, resources: list[Resource]) -> Lease:
+    """A node run as replicas ([lease]): `qtp recover` acts only as the node's owner, never beside a live one."""
+    assert config.lease is not None
+    name = lease_home(config.node_id, config.lease, list(config.resources))
+    home = next((r for r in resources if r.identity == identity_of(normalize_url(config.resources[name]))), None)
+    lease = Lease(config.node_id, replace(config.lease, standby="refuse"), home, resources, lambda why: None)
+    try:
+        lease.acquire()
+    except LeaseHeldError as exc:
+        lease.release()
+        raise LiveManagerError(f"node {config.node_id!r} runs as replicas and a live process owns it ({exc}); it "
+                               "recovers its own in-doubt branches at start and in the background, so `qtp recover` "
+                               "will not act beside it. `qtp status` shows the owner and its lease") from exc
+    return lease
+
+
+def lease_view(config: Config) -> dict | None:
+    """The node's lease as its database holds it ([lease] only), for ``qtp status``."""
+    if config.lease is None:
+        return None
+    name = lease_home(config.node_id, config.lease, list(config.resources))
+    view = read_lease(normalize_url(config.resources[name]), config.node_id)
+    return None if view is None else asdict(view)
 
 
 def _live(config: Config, directory: Path, holder: str) -> LiveManagerError:
@@ -146,6 +178,7 @@ class NodeStatus:
     quarantined: int = 0
     resources: dict[str, dict] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    lease: dict | None = None  # [lease]: holder, epoch, members (qtp.coordinator._lease.LeaseView)
 
 
 def node_status(config: Config, warn_age_s: float = 300.0) -> NodeStatus:
@@ -180,6 +213,7 @@ def node_status(config: Config, warn_age_s: float = 300.0) -> NodeStatus:
     report = RecoveryReport(config.node_id)
     resources = open_resources(config)
     try:
+        status.lease = _lease_status(config, status.warnings)
         found = scan(resources, report)
         llr, unreadable = read_last_resource_decisions(config.node_id, resources)
     finally:
@@ -210,7 +244,8 @@ def node_status(config: Config, warn_age_s: float = 300.0) -> NodeStatus:
             f"{old} prepared branch(es) older than {warn_age_s:g} s: in PostgreSQL they hold their row locks and "
             "keep VACUUM from removing dead rows; run `qtp recover` (or check that the node's manager is running)")
     unaged = sum(1 for f in found if f.prepared_at is None)
-    if unaged and status.log_locked_by is None:
+    owned = status.lease is not None and (status.lease["expires_in_s"] or 0) > 0
+    if unaged and status.log_locked_by is None and not owned:
         status.warnings.append(
             f"{unaged} in-doubt branch(es) on MariaDB/MySQL, whose age the server does not record, and no live "
             "manager holds the log: run `qtp recover`")
@@ -221,3 +256,16 @@ def node_status(config: Config, warn_age_s: float = 300.0) -> NodeStatus:
         status.warnings.append(f"{status.quarantined} quarantined branch(es) listed in {directory / QUARANTINE_FILE}:"
                                " resolve them by hand (docs/recovery.md)")
     return status
+
+
+def _lease_status(config: Config, warnings: list[str]) -> dict | None:
+    try:
+        view = lease_view(config)
+    except Exception as exc:  # noqa: BLE001 - the database is down: said, and the rest is still shown
+        warnings.append(f"the lease of node {config.node_id!r} cannot be read: {exc}")
+        return None
+    if config.lease is not None and (view is None or (view["expires_in_s"] or 0) <= 0):
+        standbys = sum(1 for m in (view or {}).get("members", []) if m["role"] == "standby" and m["expires_in_s"] > 0)
+        warnings.append(f"node {config.node_id!r} runs as replicas ([lease]) and no process owns it now "
+                        f"({standbys} live standby(s)): nothing is sent, received or recovered until one takes over")
+    return view

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
@@ -57,6 +58,33 @@ class _Polling:
         for (peer, client), count in sorted(self.waiting().items(), key=lambda kv: (kv[0][0] or "", kv[0][1])):
             family.add_metric([self.node_id, peer or "anonymous", client[:200]], count)
         yield family
+
+
+class _Lease:
+    """The node's lease ([lease], replicas), read at scrape time from the process's own view of it."""
+
+    def __init__(self, node_id: str, lease: Callable[[], Any]):
+        self.node_id, self.lease = node_id, lease
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        lease = self.lease()
+        if lease is None:
+            return
+        now = time.monotonic()
+        held = GaugeMetricFamily("qtp_lease_held", "1 while this process owns the node (its lease is valid by its "
+                                 "own clock), else 0", labels=["node", "member"])
+        held.add_metric([self.node_id, lease.member], 1.0 if lease.valid() else 0.0)
+        yield held
+        epoch = GaugeMetricFamily("qtp_lease_epoch", "The node's ownership epoch this process took (one more at "
+                                  "every takeover)", labels=["node"])
+        epoch.add_metric([self.node_id], float(lease.epoch))
+        yield epoch
+        if lease.renewed_at is not None:
+            age = GaugeMetricFamily("qtp_lease_renewed_seconds_ago", "Seconds since this process sent its last "
+                                    "successful lease renewal (a standby takes over after [lease] ttl)",
+                                    labels=["node"])
+            age.add_metric([self.node_id], now - lease.renewed_at)
+            yield age
 
 
 class _Bound:
@@ -127,6 +155,10 @@ class Metrics:
                                        labelnames=["node"], registry=self.registry).labels(**labels)
         if channel_stats is not None:
             self.registry.register(_Channels(node_id, channel_stats))
+
+    def watch_lease(self, lease: Callable[[], Any]) -> None:
+        """``qtp_lease_held``, ``qtp_lease_epoch``, ``qtp_lease_renewed_seconds_ago`` (a node with [lease])."""
+        self.registry.register(_Lease(self.node_id, lease))
 
     def watch_polling_clients(self, waiting: Callable[[], dict[tuple[str | None, str], int]]) -> None:
         """``qtp_polling_client_messages{peer, client}``: messages held for each client that polls."""

@@ -133,6 +133,8 @@ class Node:
         self.ownership = Ownership(self.destinations, self.sources, self.channels, security, self.metrics)
         self.mailbox = Mailbox(limits, self.metrics, self.sources, self.destinations, self.endpoint, clock)
         self.metrics.watch_polling_clients(self.mailbox.waiting)
+        if getattr(manager, "lease_settings", None) is not None:
+            self.metrics.watch_lease(lambda: manager.lease)
         self.sender = Sender(limits, self.channels, self.stores, self.sources, self.offers, self.transport,
                              self.mailbox, self.ownership, self.metrics, security, self.endpoint, self.mc_address,
                              self.wake, clock)
