@@ -19,6 +19,8 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
   waits at the server when its
   polls come: the replies/s reported are the rate at which a backlog is fetched and applied (the orders
   must all be applied within the first interval; the 10 %-90 % window of the replies then lies in the drain);
+- (L) as (a), each node run with a ``[lease]`` (docs/operations.md: one owner among replicas; here one
+  process each), what the fence before every commit costs;
 - (s) **the strong baseline**, what a user would hand-write: an ``outbox`` row written in the client's
   local transaction; one relay thread takes up to 500 rows (``FOR UPDATE SKIP LOCKED``, in id order),
   sends them in one POST (JSON), and deletes them on a 200 in the same transaction; the server inserts the
@@ -66,7 +68,7 @@ PAD = 1000 - len('<order xmlns="urn:test" k="12345"></order>')
 LABELS = {"a": "qtp xa, queues co-located", "A": "qtp xa, co-located, authenticated peers", "b": "qtp xa, queues in the other db",
           "r": "qtp xa, co-located, request-reply", "p": "qtp xa, request-reply, client polls",
           "d": "qtp xa, request-reply, polled backlog (drain)",
-          "s": "strong outbox baseline", "c": "serial outbox baseline"}
+          "L": "qtp xa, co-located, [lease] (fenced commits)", "s": "strong outbox baseline", "c": "serial outbox baseline"}
 STRONG_BATCH = 500
 
 
@@ -139,7 +141,8 @@ def _databases_cpu(pg, maria) -> dict[str, int | None]:
 
 def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, tag: str,
             rate: float | None = None, batch_handler: bool = False, reply: bool = False,
-            secret: str | None = None, profile: Path | None = None, polls: bool = False, drain: bool = False) -> dict:
+            secret: str | None = None, profile: Path | None = None, polls: bool = False, drain: bool = False,
+            lease: bool = False) -> dict:
     client_app, server_app = _fresh(pg, f"tc_{tag}"), _fresh(maria, f"ts_{tag}")
     client_schema(client_app)
     server_schema(server_app)
@@ -151,6 +154,9 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
     run = folder / tag
     run.mkdir(parents=True, exist_ok=True)
     client_config, server_config = pair.write(run)
+    if lease:
+        for config in (client_config, server_config):
+            config.write_text(config.read_text() + "\n[lease]\nttl = 10\n")
     server = NodeProcess(server_config, run / "server.log",
                          {"QTP_TEST_BATCH_HANDLER": "1"} if batch_handler else {}).start()
     sending = {"QTP_TEST_SEND": str(messages), "QTP_TEST_THREADS": str(threads), "QTP_TEST_PAD": str(PAD)}
@@ -287,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", default="1,16")
-    parser.add_argument("--variants", default="a,b,r,s,c", help="a, A, b, r, p, d (qtp), s (strong), c (serial); see above")
+    parser.add_argument("--variants", default="a,b,r,s,c", help="a, A, L, b, r, p, d (qtp), s (strong), c (serial); see above")
     parser.add_argument("--rate", type=float, default=None, help="pace the senders at this many messages/s")
     parser.add_argument("--batch-handler", action="store_true", help="the qtp server applies with a batch handler")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
@@ -309,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_qtp(pg, maria, folder, args.messages, threads, variant == "b", tag, args.rate,
                                 args.batch_handler, reply=variant in ("r", "p", "d"), polls=variant == "p",
                                 drain=variant == "d",
-                                secret=secrets.token_urlsafe(32) if variant == "A" else None,
+                                secret=secrets.token_urlsafe(32) if variant == "A" else None, lease=variant == "L",
                                 profile=args.profile)
                 r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate,
                          batch_handler=args.batch_handler)
@@ -338,7 +344,7 @@ def summarise(results: list[dict]) -> dict:
                     for proc in runs[0].get("cpu_ms_per_msg", {})}
         for base in ("s", "c"):
             if base in row and row[base]["rate"]:
-                for variant in ("a", "b", "r", "p", "d"):
+                for variant in ("a", "A", "L", "b", "r", "p", "d"):
                     if variant in row:
                         row[variant][f"ratio_to_{base}"] = round(row[variant]["rate"] / row[base]["rate"], 2)
         summary[threads] = row

@@ -105,6 +105,7 @@ class Node:
         self.started = False
         self._table = HandlerTable()
         self._stopping = threading.Event()
+        self._stop_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._deferred: list[tuple[Callable[[], None], str]] = []
         self._server: Any = None
@@ -394,18 +395,19 @@ class Node:
     def stop(self) -> None:
         """Stop the HTTP server and the workers (the manager stays open); what ``close`` and the manager's
         own ``close`` call first."""
-        if not self.started:
-            return
-        self._stopping.set()
-        self.wake.set()
-        if self._server is not None:
-            self._server.stop()
-        self.invoker.stop()
-        self.sender.close()
-        for thread in self._threads:
-            thread.join(timeout=10)
-        self.transport.close()
-        self.started = False
+        with self._stop_lock:  # (a lost lease stops the node from its own thread, beside `qtp serve`)
+            if not self.started:
+                return
+            self._stopping.set()
+            self.wake.set()
+            if self._server is not None:
+                self._server.stop()
+            self.invoker.stop()
+            self.sender.close()
+            for thread in self._threads:
+                thread.join(timeout=10)
+            self.transport.close()
+            self.started = False
 
     def close(self) -> None:
         """Stop the node, then close its transaction manager."""
