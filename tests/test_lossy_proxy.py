@@ -1,5 +1,6 @@
 """The lossy proxy does what it is told: forwards faithfully, loses, duplicates, delays, reorders, stays bounded
-and on loopback. Against a real HTTP echo server; waits are on counts with generous bounds, never on timing."""
+and on loopback, and fails over between replicas. Against real HTTP echo servers (and a port that refuses, a
+listener that never answers); waits are on counts with generous bounds, never on timing."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -33,11 +35,13 @@ class Arrival:
 
 @dataclass
 class Echo:
-    """A loopback server that echoes each request and records what arrived, in arrival order."""
+    """A loopback server that echoes each request and records what arrived, in arrival order. As a replica it
+    may instead answer 503 (``mode`` "busy") or close the connection without answering ("hang up")."""
 
     url: str = ""
     arrivals: list[Arrival] = field(default_factory=list)
     release: threading.Event = field(default_factory=threading.Event)   # lets requests to /slow finish
+    mode: str = "echo"
 
     def bodies(self) -> list[bytes]:
         return [arrival.body for arrival in list(self.arrivals)]
@@ -53,9 +57,12 @@ def _echo_handler(echo: Echo) -> type[BaseHTTPRequestHandler]:
         def _any(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             echo.arrivals.append(Arrival(self.command, self.path, dict(self.headers.items()), body))
+            if echo.mode == "hang up":
+                self.close_connection = True
+                return
             if self.path.startswith("/slow"):
                 echo.release.wait(30)
-            self.send_response(int(self.headers.get("X-Reply-Status", "200")))
+            self.send_response(503 if echo.mode == "busy" else int(self.headers.get("X-Reply-Status", "200")))
             self.send_header("Content-Type", self.headers.get("Content-Type", "text/plain"))
             self.send_header("X-Action", self.headers.get("SOAPAction", ""))
             self.send_header("Content-Length", str(len(body)))
@@ -72,8 +79,8 @@ class _EchoServer(ThreadingHTTPServer):
     request_queue_size = 128
 
 
-@pytest.fixture
-def echo() -> Iterator[Echo]:
+@contextmanager
+def _serving() -> Iterator[Echo]:
     echo = Echo()
     server = _EchoServer(("127.0.0.1", 0), _echo_handler(echo))
     echo.url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -82,6 +89,35 @@ def echo() -> Iterator[Echo]:
     echo.release.set()
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture
+def echo() -> Iterator[Echo]:
+    with _serving() as echo:
+        yield echo
+
+
+@pytest.fixture
+def replicas() -> Iterator[Callable[[int], list[Echo]]]:
+    """Factory: ``replicas(2)`` starts two echo servers."""
+    with ExitStack() as stack:
+        yield lambda count: [stack.enter_context(_serving()) for _ in range(count)]
+
+
+@pytest.fixture
+def refusing() -> Iterator[str]:
+    """The URL of a port that refuses connections (bound, never listening: no other process can take it)."""
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{bound.getsockname()[1]}"
+
+
+@pytest.fixture
+def silent() -> Iterator[str]:
+    """The URL of a listener that never accepts: the kernel completes the handshake and buffers the request,
+    nobody reads it, as for a SIGSTOPped process."""
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as listener:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
 
 
 def _wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:
@@ -249,15 +285,90 @@ def test_stats_and_faults_over_the_control_paths(echo: Echo) -> None:
         {"requests": 2, "dropped_requests": 1, "forwarded": 1}
 
 
-def test_the_command_line_prints_its_url_and_forwards(echo: Echo) -> None:
-    command = [sys.executable, "-m", "qtp.testing.lossy_proxy", "--target", echo.url, "--duplicate-request", "1",
-               "--delay-ms", "0", "5", "--seed", "9"]
+def test_a_refused_connection_fails_over_to_the_next_target_which_stays_current(echo: Echo, refusing: str) -> None:
+    with LossyProxy([refusing, echo.url]) as proxy:
+        assert (proxy.targets, proxy.current) == ([refusing, echo.url], refusing)
+        answers = [_post(proxy.url + "/rm", body).content for body in (b"<a/>", b"<b/>", b"<c/>")]
+        counts, current = proxy.stats(), proxy.current
+    assert answers == echo.bodies() == [b"<a/>", b"<b/>", b"<c/>"]
+    assert current == echo.url
+    assert {k: counts[k] for k in ("forwarded", "failovers", "failovers_refused", "switches", "errors")} == \
+        {"forwarded": 3, "failovers": 1, "failovers_refused": 1, "switches": 1, "errors": 0}
+
+
+@pytest.mark.parametrize("mode, cause", [("busy", "503"), ("hang up", "reset")])
+def test_a_503_or_a_connection_closed_before_the_answer_fails_over(replicas: Callable[[int], list[Echo]],
+                                                                   mode: str, cause: str) -> None:
+    first, second = replicas(2)
+    first.mode = mode
+    with LossyProxy([first.url, second.url]) as proxy:
+        reply = _post(proxy.url + "/rm", b"<a/>")
+        counts = proxy.stats()
+    assert (reply.status_code, reply.content) == (200, b"<a/>")
+    assert first.bodies() == second.bodies() == [b"<a/>"]     # the first had it too: a duplicate for WS-RM
+    assert (counts["failovers"], counts[f"failovers_{cause}"], counts["switches"]) == (1, 1, 1)
+
+
+def test_a_target_silent_for_failover_s_is_passed_over(echo: Echo, silent: str) -> None:
+    with LossyProxy([silent, echo.url], failover_s=0.3, timeout=30) as proxy:
+        began = time.monotonic()
+        assert _post(proxy.url + "/rm", b"<a/>").content == b"<a/>"
+        waited = time.monotonic() - began
+        assert _post(proxy.url + "/rm", b"<b/>").content == b"<b/>"   # straight to the current one
+        counts = proxy.stats()
+    assert echo.bodies() == [b"<a/>", b"<b/>"]
+    assert waited < 20        # bounded by failover_s, not by the 30 s timeout
+    assert (counts["failovers"], counts["failovers_silent"], counts["errors"]) == (1, 1, 0)
+
+
+def test_the_target_that_answered_last_gets_the_next_request(replicas: Callable[[int], list[Echo]]) -> None:
+    a, b = replicas(2)
+    with LossyProxy([a.url, b.url]) as proxy:
+        assert _post(proxy.url + "/rm", b"1").status_code == 200   # a: the first target is current
+        a.mode = "busy"
+        assert _post(proxy.url + "/rm", b"2").status_code == 200   # a answers 503, b answers: b is current
+        a.mode = "echo"
+        assert _post(proxy.url + "/rm", b"3").status_code == 200   # b, though a answers again
+        b.mode = "hang up"
+        assert _post(proxy.url + "/rm", b"4").status_code == 200   # b hangs up, a answers: a is current
+        counts = proxy.stats()
+    assert (a.bodies(), b.bodies()) == ([b"1", b"2", b"4"], [b"2", b"3", b"4"])
+    assert (counts["switches"], counts["failovers"], counts["forwarded"]) == (2, 2, 4)
+
+
+def test_each_target_is_tried_once_and_without_an_answer_the_client_sees_a_closed_connection(
+        replicas: Callable[[int], list[Echo]], refusing: str, silent: str) -> None:
+    (hanging_up,) = replicas(1)
+    hanging_up.mode = "hang up"
+    with LossyProxy([refusing, silent, hanging_up.url], failover_s=0.3) as proxy:
+        with pytest.raises(requests.ConnectionError):
+            _post(proxy.url + "/rm", b"<a/>")
+        counts = proxy.stats()
+    assert hanging_up.bodies() == [b"<a/>"]
+    assert {k: counts[k] for k in ("failovers", "failovers_refused", "failovers_silent", "errors", "forwarded")} == \
+        {"failovers": 2, "failovers_refused": 1, "failovers_silent": 1, "errors": 1, "forwarded": 0}
+
+
+def test_when_every_target_answers_503_the_client_gets_the_503(replicas: Callable[[int], list[Echo]]) -> None:
+    a, b = replicas(2)
+    a.mode = b.mode = "busy"
+    with LossyProxy([a.url, b.url]) as proxy:
+        assert _post(proxy.url + "/rm", b"<a/>").status_code == 503
+        counts, current = proxy.stats(), proxy.current
+    assert a.bodies() == b.bodies() == [b"<a/>"]
+    assert (counts["failovers_503"], counts["switches"], current) == (1, 0, a.url)
+
+
+def test_the_command_line_prints_its_url_and_forwards(echo: Echo, refusing: str) -> None:
+    command = [sys.executable, "-m", "qtp.testing.lossy_proxy", "--target", refusing, "--target", echo.url,
+               "--failover-s", "5", "--duplicate-request", "1", "--delay-ms", "0", "5", "--seed", "9"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:")
         assert _post(url + "/rm", b"<e/>", headers=SOAP).content == b"<e/>"
-        assert requests.get(url + "/__proxy__/stats", timeout=30).json()["duplicated"] == 1
+        counts = requests.get(url + "/__proxy__/stats", timeout=30).json()
+        assert counts["duplicated"] == 1 and counts["failovers_refused"] in (1, 2)  # 2: copies sent at once
     finally:
         proc.terminate()
         assert proc.wait(30) == 0

@@ -2,9 +2,10 @@
 
 Two qtp nodes send each other WS-RM messages as HTTP POSTs over loopback. Loopback loses nothing, so the
 code that makes messaging reliable (retransmission, acknowledgement ranges, duplicate detection, delivery in
-order) would never be exercised. The proxy stands between the nodes, forwards everything to one target, and
-does to each exchange what a real network and real peers do. Every fault has its own probability and is
-drawn on its own for every exchange, so any combination can happen to one message:
+order) would never be exercised. The proxy stands between the nodes, forwards everything to its target (or
+to one of several, see *Failover* below), and does to each exchange what a real network and real peers do.
+Every fault has its own probability and is drawn on its own for every exchange, so any combination can
+happen to one message:
 
 ``drop_request``
     The request dies on the way: lost packets whose retransmissions failed too, a peer that crashed before
@@ -31,6 +32,25 @@ to an HTTP client. A ``502`` would be wrong: it is an answer, and it tells the c
 network never would. WS-RM resolves the doubt by retransmitting and by the receiver discarding duplicates;
 the proxy is there to show that it does.
 
+Failover: a node run as several replicas (processes on other hosts sharing one database, one of them owning
+the node's identity, the others waiting as standbys) has one address for its peers, a load balancer in front
+of the replicas. Given several targets, the proxy is that balancer. Each copy of a request goes to the
+*current* target, the one that answered last; when that target
+
+- refuses the connection (a standby does not listen; a killed process left no listener),
+- resets or closes it before the status line (a process dying with the request in hand),
+- answers ``503`` (a node starting, or too busy to store the message), or
+- sends no byte of answer for ``failover_s`` (a SIGSTOPped process: the kernel still accepts its connections
+  and takes the request into its buffers, but nobody reads them),
+
+the proxy sends the copy to the next target, each target at most once per copy, and the first one to give
+another answer becomes the current target. When none does, the client's connection is closed without a byte,
+as for a lost message (but a ``503``, when one came, is relayed: it is an answer). An answer that breaks off
+after its status line is not retried elsewhere: the target had the request. A copy given up on a paused
+target and sent to the next one reaches the node twice if the paused process later wakes and reads it, one
+more duplicate for WS-RM to discard. With one target, nothing changes: its answers, 503 included, are
+relayed, and ``failover_s`` (default: ``timeout``) bounds the wait for them.
+
 Everything else is forwarded faithfully: method, path and query, headers except the hop-by-hop ones, body;
 the target's status, headers and body come back unchanged. The proxy listens on 127.0.0.1 and forwards to
 loopback only (a tool that loses messages on purpose must not be reachable from a network), it is bounded
@@ -40,13 +60,14 @@ repeats as far as thread scheduling allows.
 
 Control paths, answered by the proxy and never forwarded::
 
-    GET  /__proxy__/stats    the counters (JSON object)
+    GET  /__proxy__/stats    the counters (JSON object; see COUNTERS)
     GET  /__proxy__/faults   the current faults
     POST /__proxy__/faults   change some faults, e.g. {"drop_request": 0} to let everything drain
 
 Command line (prints its URL on the first line of stdout, runs until SIGTERM or SIGINT)::
 
     python -m qtp.testing.lossy_proxy --target http://127.0.0.1:8002 --drop-request 0.1 --seed 7
+    python -m qtp.testing.lossy_proxy --target http://127.0.0.1:8002 --target http://127.0.0.1:8003 --failover-s 2
 """
 
 from __future__ import annotations
@@ -75,9 +96,14 @@ FAULTS_PATH = CONTROL_PREFIX + "faults"
 
 #: requests: client requests seen (control paths and refused ones excluded); forwarded: copies the target
 #: answered; duplicated: requests sent twice; delayed: directions delayed (two per exchange at most);
-#: reordered: requests held back; rejected: answered 400/413 by the proxy; errors: target failed or timed out.
+#: reordered: requests held back; rejected: answered 400/413 by the proxy; errors: copies no target answered
+#: (failed or timed out); failovers: copies sent on to the next target, of which failovers_<cause>: because the
+#: one before refused the connection, reset it before answering, answered 503, or was silent for failover_s;
+#: switches: times the current target changed.
+FAILOVER_CAUSES = ("refused", "reset", "503", "silent")
 COUNTERS = ("requests", "forwarded", "dropped_requests", "dropped_responses", "duplicated", "delayed",
-            "reordered", "rejected", "errors")
+            "reordered", "rejected", "errors", "failovers", *(f"failovers_{cause}" for cause in FAILOVER_CAUSES),
+            "switches")
 
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
                          "proxy-authorization", "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
@@ -153,6 +179,20 @@ class _TooLarge(Exception):
     """The target's response body is over the proxy's limit."""
 
 
+class _Unanswered(Exception):
+    """The target gave no answer: ``cause`` is one of FAILOVER_CAUSES but 503."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return "refused"
+    return "silent" if isinstance(exc, TimeoutError) else "reset"
+
+
 def _end_to_end(headers: list[tuple[str, str]], rewritten: frozenset[str] = _REWRITTEN) -> list[tuple[str, str]]:
     """The headers without hop-by-hop ones (including those the Connection header names) and ``rewritten``."""
     named = {token.strip().lower() for key, value in headers if key.lower() == "connection"
@@ -185,19 +225,30 @@ class _Target:
                                      f"localhost), not {url!r}")
         return cls(parts.hostname or "", parts.port or 80, parts.netloc, parts.path.rstrip("/"))
 
-    def send(self, request: _Request, timeout: float, max_body: int) -> _Response:
-        """One exchange with the target on a fresh connection; ``timeout`` bounds each socket operation."""
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+    @property
+    def url(self) -> str:
+        return f"http://{self.netloc}{self.prefix}"
+
+    def send(self, request: _Request, answer_within: float, timeout: float, max_body: int) -> _Response:
+        """One exchange with the target on a fresh connection. ``answer_within`` bounds each socket operation
+        until the status line and headers are in, ``timeout`` each one after; _Unanswered when no answer came."""
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=answer_within)
         try:
-            connection.putrequest(request.method, self.prefix + request.target, skip_host=True,
-                                  skip_accept_encoding=True)
-            connection.putheader("Host", self.netloc)
-            for key, value in request.headers:
-                connection.putheader(key, value)
-            if request.body or request.method in ("POST", "PUT", "PATCH"):
-                connection.putheader("Content-Length", str(len(request.body)))
-            connection.endheaders(request.body or None)
-            return _read_response(connection.getresponse(), request.method, max_body)
+            try:
+                connection.putrequest(request.method, self.prefix + request.target, skip_host=True,
+                                      skip_accept_encoding=True)
+                connection.putheader("Host", self.netloc)
+                for key, value in request.headers:
+                    connection.putheader(key, value)
+                if request.body or request.method in ("POST", "PUT", "PATCH"):
+                    connection.putheader("Content-Length", str(len(request.body)))
+                connection.endheaders(request.body or None)
+                sock = connection.sock
+                reply = connection.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                raise _Unanswered(_cause(exc)) from exc
+            sock.settimeout(timeout)
+            return _read_response(reply, request.method, max_body)
         finally:
             connection.close()
 
@@ -211,25 +262,34 @@ def _read_response(reply: http.client.HTTPResponse, method: str, max_body: int) 
 
 
 class LossyProxy:
-    """An HTTP proxy on 127.0.0.1 that loses, duplicates, delays and reorders messages to one target.
+    """An HTTP proxy on 127.0.0.1 that loses, duplicates, delays and reorders messages to one target, or to
+    the current one of several with failover.
 
     ``LossyProxy(target, drop_request=0.1, seed=7).start()`` binds at construction (so ``port`` and ``url``
     are known before ``start``), serves on background threads after ``start()``, and is closed by ``stop()``
-    or by leaving a ``with`` block. Connections beyond ``max_connections`` wait until one ends.
+    or by leaving a ``with`` block. Connections beyond ``max_connections`` wait until one ends. ``target`` is
+    one URL or a list of them (replicas of one node, the first one current at the start); ``failover_s``
+    bounds the wait for a target's first byte of answer (default: ``timeout``).
     """
 
-    def __init__(self, target: str, *, host: str = BIND_HOST, port: int = 0, drop_request: float = 0.0,
-                 drop_response: float = 0.0, duplicate_request: float = 0.0, delay: float = 1.0,
-                 delay_ms: tuple[float, float] = (0, 0), reorder: float = 0.0, reorder_max_ms: float = 0,
-                 seed: int | None = None, max_body: int = DEFAULT_MAX_BODY, max_connections: int = 64,
-                 timeout: float = 30.0) -> None:
+    def __init__(self, target: str | list[str] | tuple[str, ...], *, host: str = BIND_HOST, port: int = 0,
+                 drop_request: float = 0.0, drop_response: float = 0.0, duplicate_request: float = 0.0,
+                 delay: float = 1.0, delay_ms: tuple[float, float] = (0, 0), reorder: float = 0.0,
+                 reorder_max_ms: float = 0, seed: int | None = None, max_body: int = DEFAULT_MAX_BODY,
+                 max_connections: int = 64, timeout: float = 30.0, failover_s: float | None = None) -> None:
         if host != BIND_HOST:
             raise ConfigurationError(f"the lossy proxy listens on {BIND_HOST} only (it loses messages on "
                                      f"purpose and must not be reachable from a network), not {host!r}")
-        if max_body < 0 or max_connections < 1 or timeout <= 0:
-            raise ConfigurationError(f"need max_body >= 0, max_connections >= 1, timeout > 0; got {max_body}, "
-                                     f"{max_connections}, {timeout}")
-        self._target = _Target.parse(target)
+        failover_s = timeout if failover_s is None else failover_s
+        if max_body < 0 or max_connections < 1 or timeout <= 0 or failover_s <= 0:
+            raise ConfigurationError(f"need max_body >= 0, max_connections >= 1, timeout > 0, failover_s > 0; "
+                                     f"got {max_body}, {max_connections}, {timeout}, {failover_s}")
+        urls = [target] if isinstance(target, str) else list(target)
+        if not urls:
+            raise ConfigurationError("the lossy proxy needs at least one target")
+        self._targets = [_Target.parse(url) for url in urls]
+        self._current = 0
+        self.failover_s = failover_s
         self._faults = Faults().changed(dict(
             drop_request=drop_request, drop_response=drop_response, duplicate_request=duplicate_request,
             delay=delay, delay_ms=delay_ms, reorder=reorder, reorder_max_ms=reorder_max_ms))
@@ -249,6 +309,16 @@ class LossyProxy:
     @property
     def url(self) -> str:
         return f"http://{BIND_HOST}:{self.port}"
+
+    @property
+    def targets(self) -> list[str]:
+        return [target.url for target in self._targets]
+
+    @property
+    def current(self) -> str:
+        """The target that answered last (the first one until another answered)."""
+        with self._lock:
+            return self._targets[self._current].url
 
     def start(self) -> LossyProxy:
         """Serve on background threads; returns self."""
@@ -325,14 +395,43 @@ class LossyProxy:
         return [first, *copy]
 
     def _send(self, request: _Request) -> _Response | None:
-        """Forward one copy; None (counted as an error) when the target failed, timed out or overflowed."""
-        try:
-            response = self._target.send(request, self.timeout, self.max_body)
-        except (OSError, http.client.HTTPException, _TooLarge):
-            self._count("errors")
-            return None
-        self._count("forwarded")
-        return response
+        """Forward one copy to the current target, on to the next ones while they give no answer (see the
+        module's *Failover*); None (counted as an error) when none answered, or an answer broke off or
+        overflowed."""
+        busy = None
+        order = self._failover_order()
+        for tried, index in enumerate(order, 1):
+            try:
+                response = self._targets[index].send(request, self.failover_s, self.timeout, self.max_body)
+            except _Unanswered as exc:
+                cause = exc.cause
+            except (OSError, http.client.HTTPException, _TooLarge):
+                break
+            else:
+                if response.status != 503:
+                    self._answered_by(index)
+                    return response
+                busy, cause = response, "503"
+            if tried < len(order):
+                self._count("failovers", f"failovers_{cause}")
+        if busy is not None:
+            self._count("forwarded")
+            return busy
+        self._count("errors")
+        return None
+
+    def _failover_order(self) -> list[int]:
+        """Every target's index once, the current target's first."""
+        with self._lock:
+            first = self._current
+        return [(first + step) % len(self._targets) for step in range(len(self._targets))]
+
+    def _answered_by(self, index: int) -> None:
+        with self._lock:
+            self._counts["forwarded"] += 1
+            if index != self._current:
+                self._current = index
+                self._counts["switches"] += 1
 
     def _delay(self) -> bool:
         """Maybe delay one direction; False when the proxy stopped meanwhile (the message is then lost)."""
@@ -367,9 +466,10 @@ class LossyProxy:
         with self._lock:
             return self._random.choice(answers) if answers else None
 
-    def _count(self, name: str) -> None:
+    def _count(self, *names: str) -> None:
         with self._lock:
-            self._counts[name] += 1
+            for name in names:
+                self._counts[name] += 1
 
 
 class _Server(ThreadingHTTPServer):
@@ -548,7 +648,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m qtp.testing.lossy_proxy",
                                      description="A lossy HTTP proxy on 127.0.0.1 for tests and crash campaigns. "
                                                  "Prints its URL on the first line, runs until SIGTERM/SIGINT.")
-    parser.add_argument("--target", required=True, help="base URL to forward to (loopback only)")
+    parser.add_argument("--target", required=True, action="append",
+                        help="base URL to forward to (loopback only); repeated: replicas, with failover")
+    parser.add_argument("--failover-s", type=float, default=None, metavar="SECONDS",
+                        help="a target silent this long is passed over for the next (default: --timeout)")
     parser.add_argument("--host", default=BIND_HOST, help=f"address to listen on ({BIND_HOST} only)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: a free one)")
     for name in ("drop_request", "drop_response", "duplicate_request", "reorder"):
