@@ -1,15 +1,22 @@
 """Two qtp nodes as separate OS processes (``qtp serve --app qtp.testing.e2e_app:node``), their configs, and
-the exactly-once check of their tables. Used by the two-node tests and by benchmarks/e2e_campaign.py."""
+the exactly-once check of their tables. Used by the two-node tests and by benchmarks/e2e_campaign.py.
+
+A node may also run as several replicas (``Replicas``): processes with the same config but for their log
+folder and listening port, as on hosts of their own, sharing the node's identity through the ``[lease]`` in
+its store. One owns the node and serves; the others wait inside ``Node.from_config`` as standbys, listening
+on nothing, until the owner's lease runs out. Peers reach the node through a proxy in front of all its
+replicas (``qtp.testing.lossy_proxy`` with several targets fails over to the one that answers)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -84,6 +91,14 @@ class Pair:
         self.client_port = self.client_port or free_port()
 
     def write(self, folder: Path) -> tuple[Path, Path]:
+        client, server = self.texts(folder)
+        (folder / "client.toml").write_text(client)
+        (folder / "server.toml").write_text(server)
+        return folder / "client.toml", folder / "server.toml"
+
+    def texts(self, folder: Path, server_advertised: int | None = None) -> tuple[str, str]:
+        """The client's and the server's qtp.toml; the server's endpoint on port ``server_advertised`` (a
+        proxy in front of it) when given, else on the port it listens on."""
         peer = self.proxy_port or self.server_port
         client_mode, server_mode = self.node_modes or (self.mode, self.mode)
         client = _toml("client", self.client_app, self.client_store, self.client_port, client_mode, self.limits,
@@ -98,7 +113,7 @@ reply = {str(self.reply).lower()}
 acks_to = "{self.acks_to}"
 {self.client_extra}''', advertised=self.back_proxy_port, listens=self.client_listens)
         server = _toml("server", self.server_app, self.server_store, self.server_port, server_mode, self.limits,
-                       folder, self.server_extra)
+                       folder, self.server_extra, advertised=server_advertised)
         if self.secret is not None:
             client += _peer(node_id("server", folder), f"http://127.0.0.1:{peer}/rm", self.secret)
             server += _peer(node_id("client", folder),
@@ -106,9 +121,7 @@ acks_to = "{self.acks_to}"
                             if self.client_listens else None, self.secret)
             client = client.replace("\n[node]\n", "\n[node]\nallow_anonymous = false\n", 1)
             server = server.replace("\n[node]\n", "\n[node]\nallow_anonymous = false\n", 1)
-        (folder / "client.toml").write_text(client)
-        (folder / "server.toml").write_text(server)
-        return folder / "client.toml", folder / "server.toml"
+        return client, server
 
 
 def node_id(role: str, folder: Path) -> str:
@@ -147,6 +160,59 @@ http_timeout = 5
 {channels}'''
 
 
+@dataclass
+class Replicas:
+    """The pair's server as ``servers`` replicas and its client as ``clients`` replicas, named ``server-a``,
+    ``server-b``, ..., ``client-a``, ...: the node's config but for ``[node] log_dir`` and ``listen`` (each
+    replica its own), with a ``[lease]`` of ``ttl`` seconds, and the node's endpoint the proxy in front of its
+    replicas: ``pair.proxy_port`` for the server (the client's channel peer already), ``pair.back_proxy_port``
+    for the client. The proxies are the caller's: one LossyProxy per side with that side's ``urls`` as
+    targets. A node of one replica keeps the config ``Pair.write`` writes (named ``server`` or ``client``,
+    no lease)."""
+
+    pair: Pair
+    servers: int = 2
+    clients: int = 2
+    ttl: float = 10.0
+    standby: str = "wait"
+    ports: dict[str, int] = field(default_factory=dict)  # replica name -> the port it listens on
+
+    def __post_init__(self) -> None:
+        if self.servers > 1 and self.pair.proxy_port is None or \
+                self.clients > 1 and self.pair.client_listens and self.pair.back_proxy_port is None:
+            raise ValueError("replicas are reached through a proxy: give the pair proxy_port (server replicas) "
+                             "and back_proxy_port (client replicas)")
+        for role, first in (("server", self.pair.server_port), ("client", self.pair.client_port)):
+            for i, name in enumerate(self.names(role)):
+                self.ports.setdefault(name, first if i == 0 else free_port())
+
+    def names(self, role: str) -> list[str]:
+        """The names of the replicas of node ``role`` (``server`` or ``client``)."""
+        count = self.servers if role == "server" else self.clients
+        return [role] if count == 1 else [f"{role}-{chr(ord('a') + i)}" for i in range(count)]
+
+    def urls(self, role: str) -> list[str]:
+        """Where the replicas of node ``role`` listen: the targets of the proxy in front of them."""
+        return [f"http://127.0.0.1:{self.ports[name]}" for name in self.names(role)]
+
+    def write(self, folder: Path) -> dict[str, Path]:
+        """Write every replica's config to ``folder`` (``<name>.toml``); replica name -> its config."""
+        advertised = self.pair.proxy_port if self.servers > 1 else None
+        texts = dict(zip(("client", "server"), self.pair.texts(folder, server_advertised=advertised)))
+        lease = f'\n[lease]\nttl = {self.ttl:g}\nstandby = "{self.standby}"\n'
+        configs = {}
+        for role, toml in texts.items():
+            for name in self.names(role):
+                if name != role:  # one of several: its own log folder and port, and the lease
+                    own_log = f'log_dir = "{folder / f"logs-{name}"}"'
+                    toml = re.sub(r'(?m)^log_dir = ".*"$', own_log, texts[role], count=1)
+                    toml = re.sub(r'(?m)^listen = ".*"$', f'listen = "127.0.0.1:{self.ports[name]}"', toml, count=1)
+                    toml += lease
+                configs[name] = folder / f"{name}.toml"
+                configs[name].write_text(toml)
+        return configs
+
+
 _NODE_IDS: dict[int, str] = {}  # port -> the [node] id of the NodeProcess listening there
 
 
@@ -155,9 +221,16 @@ _NODE_IDS: dict[int, str] = {}  # port -> the [node] id of the NodeProcess liste
 LAUNCH: Callable[[list[str], dict[str, str], Path], Any] | None = None
 
 
+#: What a replica's log says (qtp.coordinator's lease) when it starts waiting for the lease, when it gets it,
+#: and when it finds it lost it (it then exits with LOST_LEASE_STATUS, EX_TEMPFAIL).
+STANDBY_LINE, TOOK_OVER_LINE, LOST_LEASE_LINE = b"standby for node", b"took over node", b"lost the lease of node"
+LOST_LEASE_STATUS = 75
+
+
 class NodeProcess:
     """``qtp serve --app qtp.testing.e2e_app:node`` (or another ``app``) for one config; ``start``, ``kill``
-    (SIGKILL), ``stop``."""
+    (SIGKILL), ``stop``; for a replica of a node (``Replicas``), ``start_replica`` and ``role``; ``pause``
+    (SIGSTOP) and ``resume`` (SIGCONT)."""
 
     def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None,
                  app: str = "qtp.testing.e2e_app:node"):
@@ -166,6 +239,8 @@ class NodeProcess:
         self.log = log
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
+        self.paused = False
+        self._began = 0     # the log's size when the process was started: what it said since is after this
         text = config.read_text()
         listen = next((line for line in text.splitlines() if line.startswith("listen")), None)
         self.port = None if listen is None else int(listen.rsplit(":", 1)[1].strip('"'))  # None: no endpoint
@@ -174,43 +249,106 @@ class NodeProcess:
         self.scheme = "https" if "\ntls_cert" in text else "http"
 
     def start(self, timeout: float = 60.0) -> "NodeProcess":
+        """Start the process; return once it serves (raises RuntimeError if it exits or takes ``timeout``)."""
+        return self.launch()._await(self.serving, timeout)
+
+    def start_replica(self, timeout: float = 60.0) -> "NodeProcess":
+        """Start a replica; return once it is the owner (it serves) or a standby (waiting for the lease)."""
+        return self.launch()._await(lambda: self.role() in ("owner", "standby"), timeout)
+
+    def launch(self) -> "NodeProcess":
+        """Start the process and return at once."""
         env = dict(os.environ, QTP_TEST_CONFIG=str(self.config), **self.env)
-        begin = self.log.stat().st_size if self.log.exists() else 0
+        self._began = self.log.stat().st_size if self.log.exists() else 0
+        self.paused = False
         if LAUNCH is not None:
-            self.log.touch()  # (read below before the launched process may have opened it)
+            self.log.touch()  # (read before the launched process may have opened it)
             self.proc = LAUNCH(["serve", "--app", self.app], env, self.log)
         else:
             with open(self.log, "ab") as out:
                 self.proc = subprocess.Popen([sys.executable, "-m", "qtp", "serve", "--app", self.app],
                                              env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def _await(self, ready: Callable[[], bool], timeout: float) -> "NodeProcess":
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"node {self.config.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            if self.port is None:  # no endpoint to ask: started once it says so
-                with open(self.log, "rb") as out:
-                    out.seek(begin)
-                    if b"qtp serve: node" in out.read():
-                        return self
-                time.sleep(0.1)
-                continue
-            try:
-                if requests.get(f"{self.scheme}://127.0.0.1:{self.port}/health", timeout=1,
-                                verify=False).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
+            if ready():
+                return self
             time.sleep(0.1)
         raise RuntimeError(f"node {self.config.name} did not start:\n{self.tail()}")
+
+    def serving(self) -> bool:
+        """/health answers 200 (a node without an endpoint: its log since the start says it started)."""
+        if self.port is None:
+            return b"qtp serve: node" in self.said()
+        try:
+            return requests.get(f"{self.scheme}://127.0.0.1:{self.port}/health", timeout=1,
+                                verify=False).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def said(self) -> bytes:
+        """What the process wrote to its log since it was started."""
+        try:
+            with open(self.log, "rb") as out:
+                out.seek(self._began)
+                return out.read()
+        except OSError:
+            return b""
+
+    def role(self) -> str:
+        """``dead`` (not running), ``paused`` (by ``pause``), ``owner`` (it serves), ``standby`` (its log since
+        the start says it waits for the lease and not that it took over), else ``starting``."""
+        if not self.alive():
+            return "dead"
+        if self.paused:
+            return "paused"
+        if self.serving():
+            return "owner"
+        said = self.said()
+        return "standby" if STANDBY_LINE in said and TOOK_OVER_LINE not in said else "starting"
+
+    def pause(self) -> None:
+        """SIGSTOP the process group: the process holds its sockets and connections but runs no more."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        """SIGCONT the process group."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGCONT)
+        self.paused = False
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """The process's exit status once it has exited, None if it still runs after ``timeout`` seconds."""
+        if self.proc is None:
+            return None
+        deadline = time.monotonic() + timeout
+        try:
+            status = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        while status == -1 and time.monotonic() < deadline:  # a LAUNCH handle's "ended, status not read yet"
+            time.sleep(0.05)
+            status = self.proc.poll()
+        return status
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
+        self.paused = False
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+            if self.paused:  # it would hold the signal
+                self.resume()
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
