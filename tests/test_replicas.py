@@ -1,5 +1,6 @@
-"""The harness for a node run as several replicas (qtp.testing.nodes): their configs, and the node processes'
-roles, pause and resume."""
+"""The harness for a node run as several replicas (qtp.testing.nodes): their configs, the node processes'
+roles, pause and resume, and a replicated server behind a failover proxy (qtp.testing.lossy_proxy) taking
+over from a killed owner and from a paused one, which exits 75 without writing."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 import requests
 
 from qtp.embedded import free_port
-from qtp.testing.nodes import NodeProcess, Pair, Replicas, server_schema
+from qtp.testing.lossy_proxy import LossyProxy
+from qtp.testing.nodes import (LOST_LEASE_LINE, LOST_LEASE_STATUS, TOOK_OVER_LINE, NodeProcess, Pair, Replicas,
+                               applied_id_mark, check_exactly_once, client_schema, rows, server_schema, wait_until)
 
 
 def _read(path: Path) -> dict:
@@ -72,3 +75,43 @@ def test_a_paused_node_holds_its_port_but_answers_nothing_until_resumed(pg_db, t
         assert (node.role(), node.wait_exit(5)) == ("dead", -9)
     finally:
         node.kill()
+
+
+def test_a_standby_takes_over_from_a_killed_owner_and_from_a_paused_one_which_exits_75(pg_db, maria_db,
+                                                                                       tmp_path: Path) -> None:
+    client_app, server_app = pg_db("client"), maria_db("server")
+    client_schema(client_app)
+    server_schema(server_app)
+    pair = Pair(client_app, server_app, proxy_port=free_port())
+    replicas = Replicas(pair, servers=2, clients=1, ttl=2)
+    configs = replicas.write(tmp_path)
+    a, b = (NodeProcess(configs[name], tmp_path / f"{name}.log") for name in ("server-a", "server-b"))
+    client = NodeProcess(configs["client"], tmp_path / "client.log",
+                         {"QTP_TEST_SEND": "80", "QTP_TEST_RATE": "20", "QTP_TEST_ABORT_EVERY": "0"})
+    applied = lambda: rows(server_app, "SELECT COUNT(*) FROM applied")[0][0]  # noqa: E731
+    written_by = lambda node, after=0: rows(  # noqa: E731
+        server_app, f"SELECT COUNT(*) FROM applied WHERE pid = {node.proc.pid} AND id > {after}")[0][0]
+    with LossyProxy(replicas.urls("server"), port=pair.proxy_port, failover_s=1) as proxy:
+        try:
+            assert (a.start_replica().role(), b.start_replica().role()) == ("owner", "standby")
+            client.start()
+            wait_until(lambda: applied() >= 10, 60, "orders applied by the first owner")
+            first = a.proc.pid
+            a.kill()
+            wait_until(lambda: b.role() == "owner", 30, "server-b taking over")
+            assert a.start_replica().role() == "standby"
+            wait_until(lambda: written_by(b) > 0, 60, "orders applied by server-b")
+            b.pause()
+            wait_until(lambda: TOOK_OVER_LINE in a.said(), 30, "server-a taking over from the paused server-b")
+            mark = applied_id_mark(server_app)
+            b.resume()
+            assert b.wait_exit(30) == LOST_LEASE_STATUS and LOST_LEASE_LINE in b.said()
+            wait_until(lambda: applied() >= 80, 90, "every order applied")
+        finally:
+            for node in (client, a, b):
+                node.kill()
+        counts = proxy.stats()
+    check_exactly_once(client_app, server_app, reply=False)
+    assert written_by(b, after=mark) == 0
+    assert {pid for (pid,) in rows(server_app, "SELECT DISTINCT pid FROM applied")} == {first, b.proc.pid, a.proc.pid}
+    assert counts["switches"] >= 2

@@ -15,7 +15,8 @@ Environment:
   transaction) instead of one INSERT per message.
 
 Server side: the handler of ``urn:test:apply`` inserts a row into ``applied`` (no unique key, so a
-duplicate apply would show as two rows) and, on a request-reply channel, answers ``<done k="K"/>``. Client
+duplicate apply would show as two rows; ``pid`` says which process of a replicated node wrote it) and, on a
+request-reply channel, answers ``<done k="K"/>``. Client
 side: the reply handler records each reply (and fault) as a row of ``replies``.
 """
 
@@ -49,7 +50,7 @@ def _order(payload: bytes) -> int:
     return int(found.group(1))
 
 
-_INSERT = text("INSERT INTO applied (k, seq, num, lat_ms) VALUES (:k, :s, :n, :l)")
+_INSERT = text("INSERT INTO applied (k, seq, num, lat_ms, pid) VALUES (:k, :s, :n, :l, :p)")
 
 
 def _row(message) -> dict:
@@ -57,7 +58,7 @@ def _row(message) -> dict:
     if k in _FAIL:
         raise RuntimeError(f"order {k} is refused by the test")
     latency = None if message.enqueued_at is None else (time.time() - message.enqueued_at) * 1000
-    return {"k": k, "s": message.identifier, "n": message.number, "l": latency}
+    return {"k": k, "s": message.identifier, "n": message.number, "l": latency, "p": os.getpid()}
 
 
 def apply(tx, message):

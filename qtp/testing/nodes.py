@@ -48,9 +48,22 @@ def client_schema(url: str) -> None:
 
 
 def server_schema(url: str) -> None:
+    """``applied``: one row per order applied (no unique key: a duplicate apply shows as two rows), ``id``
+    in the order the rows were inserted, ``pid`` the process that inserted it (replicas: which one wrote)."""
     auto = "SERIAL" if url.startswith("postgresql") else "int AUTO_INCREMENT"
     create(url, f"CREATE TABLE applied (id {auto} PRIMARY KEY, k int NOT NULL, seq varchar(255), num bigint, "
-                "lat_ms double precision)")
+                "lat_ms double precision, pid int)")
+
+
+def applied_id_mark(url: str) -> int:
+    """The highest ``applied.id`` handed out so far, committed or not (the sequence's or the AUTO_INCREMENT
+    counter's position, not MAX(id)): a row inserted after this call gets a higher id."""
+    if url.startswith("postgresql"):
+        query = "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM applied_id_seq"
+    else:
+        query = ("SELECT AUTO_INCREMENT - 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() "
+                 "AND TABLE_NAME = 'applied'")
+    return int(rows(url, query)[0][0] or 0)
 
 
 def rows(url: str, query: str) -> list[tuple]:
@@ -312,11 +325,13 @@ class NodeProcess:
         said = self.said()
         return "standby" if STANDBY_LINE in said and TOOK_OVER_LINE not in said else "starting"
 
-    def pause(self) -> None:
-        """SIGSTOP the process group: the process holds its sockets and connections but runs no more."""
+    def pause(self, timeout: float = 10.0) -> None:
+        """SIGSTOP the process group, and return once every thread of the process has stopped (the signal
+        takes effect later than kill() returns): it holds its sockets and connections but runs no more."""
         if self.alive():
             os.killpg(self.proc.pid, signal.SIGSTOP)
             self.paused = True
+            wait_until(lambda: _stopped(self.proc.pid), timeout, f"process {self.proc.pid} to stop", poll=0.005)
 
     def resume(self) -> None:
         """SIGCONT the process group."""
@@ -362,6 +377,22 @@ class NodeProcess:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped (or gone), as /proc says."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X"):
+            return False
+    return True
 
 
 def pair_processes(pair: Pair, folder: Path, send: int, rate: float = 0.0,
