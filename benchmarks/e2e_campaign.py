@@ -19,8 +19,23 @@ the last committed order was applied and replied to.
 
     python benchmarks/e2e_campaign.py --mode xa --messages 10000 --kills 200 --loss 0.1 --seed 1
 
+Replicas (``--replicas N``, N > 1): each node runs as N processes sharing its identity through a ``[lease]``
+(``--ttl`` seconds), one owner and N - 1 standbys, each with its own log folder and port, as on hosts of
+their own; each side's lossy proxy fronts all the replicas of that side and fails over to the one that
+answers (qtp.testing.lossy_proxy). The victims are then each replica ("server-a", "server-b", ...,
+"client-a", ...), the two database servers, and a failpoint in a random replica; a killed replica is started
+again at once and comes back as a standby (or the owner, whichever it gets). With ``--pause``, two more
+victims: "pause-server" and "pause-client" SIGSTOP the owner of that node for the lease's ttl and 1-3 s more,
+then SIGCONT it: it must find its lease taken and exit with status 75 (it is then started again as a
+standby), and, checked on the server's ``applied`` table, must not have written after the takeover (see
+``_pause``). Any replica that exits (a failpoint, a lost lease) is started again. A pause takes longer
+than a kill: the default pace leaves the stream that much more time per pause.
+
+    python benchmarks/e2e_campaign.py --messages 2000 --kills 40 --replicas 2 --pause --ttl 5
+
 Every kill's outcome goes to ``<out>/kills.json``, the reconciliation reports to ``<out>/``; the verdict
-(``exactly-once`` or ``violated``) is printed last and the exit code is 0 only for exactly-once.
+(``exactly-once`` or ``violated``; with ``--pause`` also violated when a paused process wrote after the
+takeover) is printed last and the exit code is 0 only for exactly-once.
 """
 
 from __future__ import annotations
@@ -34,10 +49,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qtp.coordinator._lease import LEASE_TABLE
 from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres, free_port
 from qtp.testing.lossy_proxy import LossyProxy
-from qtp.testing.nodes import (NodeProcess, Pair, client_schema, listening_ports, reconcile_reports, rows,
-                               server_schema)
+from qtp.testing.nodes import (LOST_LEASE_STATUS, NodeProcess, Pair, Replicas, applied_id_mark, client_schema,
+                               listening_ports, node_id, owner_of, reconcile_reports, rows, server_schema)
 
 ABORT_EVERY = 13
 KILL_SPACING_S = 1.2  # seconds of order stream per kill, when --rate is not given
@@ -48,6 +64,7 @@ FAILPOINTS = {
               "after_decision_forced", "after_commit_0", "before_end_record"],
 }
 VICTIMS = ("client", "server", "postgresql", "mariadb", "failpoint")
+PAUSES = ("pause-server", "pause-client")  # --pause: SIGSTOP of that node's owner past its lease, then SIGCONT
 
 
 @dataclass
@@ -55,7 +72,17 @@ class Campaign:
     args: argparse.Namespace
     out: Path
     rng: random.Random
+    replicas: Replicas | None = None
     kills: list[dict] = field(default_factory=list)
+    revived: list[dict] = field(default_factory=list)  # replicas started again after they exited by themselves
+
+    def names(self) -> list[str]:
+        """The node processes: the client's replicas, then the server's ("client", "server" for one each)."""
+        return [*self.replicas.names("client"), *self.replicas.names("server")]
+
+    @property
+    def victims(self) -> tuple[str, ...]:
+        return (*self.names(), *VICTIMS[2:], *(PAUSES if self.args.pause else ()))
 
 
 def _databases(root: Path) -> tuple[EmbeddedPostgres, EmbeddedMariaDB]:
@@ -91,14 +118,18 @@ def _count(url: str, query: str) -> int:
 def _kill(c: Campaign, victim: str, nodes: dict[str, NodeProcess], servers: dict) -> dict:
     began = time.monotonic()
     record: dict = {"i": len(c.kills) + 1, "victim": victim, "at_s": round(time.monotonic() - c.args.began, 3)}
-    if victim in ("client", "server"):
+    if victim in nodes:
+        if c.args.replicas > 1:
+            record["role"] = nodes[victim].role()
         nodes[victim].kill()
-        nodes[victim].start()
+        nodes[victim].start_replica()
     elif victim in ("postgresql", "mariadb"):
         servers[victim].kill()
         servers[victim].start()
+    elif victim in PAUSES:
+        record.update(_pause(c, victim.removeprefix("pause-"), nodes))
     else:
-        which = c.rng.choice(["client", "server"])
+        which = c.rng.choice(c.names())
         point = c.rng.choice(FAILPOINTS[c.args.store])
         hit = c.rng.randint(1, 20)
         record.update(node=which, failpoint=f"{point}=crash@{hit}")
@@ -106,21 +137,80 @@ def _kill(c: Campaign, victim: str, nodes: dict[str, NodeProcess], servers: dict
         node.kill()
         node.env["QTP_FAILPOINTS"] = record["failpoint"]
         try:
-            node.start()
+            node.start_replica()
         except RuntimeError:  # the failpoint fired while the node was starting (delivering its backlog)
             record["fired"] = True
             node.env.pop("QTP_FAILPOINTS")
-            node.start()
+            node.start_replica()
         node.env.pop("QTP_FAILPOINTS", None)
     record["restart_s"] = round(time.monotonic() - began, 3)
     return record
 
 
+def _pause(c: Campaign, role: str, nodes: dict[str, NodeProcess]) -> dict:
+    """SIGSTOP the owner of node ``role`` for the lease's ttl and 1-3 s more, then SIGCONT it. If a standby
+    took the node over meanwhile (the lease's epoch rose), the paused process must exit with status 75 and,
+    for the server, must have written no ``applied`` row after the takeover.
+
+    That check, from outside: ``applied.pid`` says which process inserted a row, and ``applied.id`` comes
+    from a sequence (PostgreSQL) or an AUTO_INCREMENT counter (MariaDB) that hands out ids in increasing
+    order at INSERT time, whether or not the transaction commits. ``mark`` is the highest id handed out,
+    read while the process has been stopped for longer than the lease (so every statement it sent before
+    the SIGSTOP has long finished) and after the takeover. A committed row of the paused pid with an id above
+    ``mark`` was therefore inserted after the SIGCONT, by a process that had lost its lease: a write after
+    the loss. The check is sound (no false alarm) but not complete: a transaction that inserted its row
+    before the SIGSTOP and committed it after the SIGCONT has an id below ``mark`` and is not counted (the
+    fence is what refuses that COMMIT; test_lease.py shows it), nor is anything the process wrote in other
+    tables (the client's ``orders`` and ``replies`` have no pid). A row below ``mark`` committed after the
+    takeover is legitimate when the new owner's recovery committed the paused process's prepared branch.
+    Reading MAX(id) before the SIGSTOP instead would be wrong both ways: commits in flight at the SIGSTOP
+    and branches recovered by the new owner would look like writes after the loss. Ids are never handed
+    out twice by PostgreSQL; MariaDB may hand out again, after a crash of its own, ids that no committed
+    row holds, which can only hide a late row, never invent one."""
+    owner = owner_of([nodes[name] for name in c.replicas.names(role)], timeout=3 * c.args.ttl + 30)
+    if owner is None:
+        return {"paused": None}
+    pair = c.replicas.pair
+    store = (pair.server_store or pair.server_app) if role == "server" else (pair.client_store or pair.client_app)
+    epoch = f"SELECT epoch FROM {LEASE_TABLE} WHERE node_id = '{node_id(role, c.out)}'"
+    held = c.args.ttl + c.rng.uniform(1.0, 3.0)
+    record: dict = {"paused": next(name for name, node in nodes.items() if node is owner), "pid": owner.proc.pid,
+                    "paused_s": round(held, 3), "epoch_before": _count(store, epoch)}
+    owner.pause()
+    time.sleep(held)
+    record["epoch_after"] = _count(store, epoch)
+    mark = _mark(pair.server_app) if role == "server" else -1
+    owner.resume()
+    taken_over = record["epoch_after"] > record["epoch_before"] >= 0
+    status = owner.wait_exit(c.args.ttl + 30 if taken_over else 1.0)
+    record.update(taken_over=taken_over, exit=status, exited_75=status == LOST_LEASE_STATUS,
+                  as_expected=status == LOST_LEASE_STATUS if taken_over else status is None)
+    if taken_over and mark >= 0:
+        record["wrote_after_loss"] = _count(pair.server_app, "SELECT COUNT(*) FROM applied "
+                                                             f"WHERE pid = {owner.proc.pid} AND id > {mark}")
+    if status is None and taken_over:  # it did not notice: the record says so; the campaign goes on
+        owner.kill()
+    if not owner.alive():
+        owner.start_replica()
+    return record
+
+
+def _mark(url: str) -> int:
+    try:
+        return applied_id_mark(url)
+    except Exception:  # the database is being killed: no check this time
+        return -1
+
+
 def _revive(nodes: dict[str, NodeProcess], c: Campaign) -> None:
-    """A node that a failpoint killed is started again (without the failpoint)."""
+    """A node that exited by itself (a failpoint killed it, it lost its lease) is started again (without the
+    failpoint)."""
     for name, node in nodes.items():
         if not node.alive():
-            node.start()
+            if c.args.replicas > 1:
+                c.revived.append({"replica": name, "exit": node.wait_exit(1.0),
+                                  "at_s": round(time.monotonic() - c.args.began, 3)})
+            node.start_replica()
             for record in reversed(c.kills):
                 if record.get("node") == name and "fired" not in record:
                     record["fired"] = True
@@ -139,7 +229,8 @@ def _run_kills(c: Campaign, pair: Pair, nodes: dict[str, NodeProcess], servers: 
             time.sleep(0.05)
         time.sleep(c.rng.uniform(0.0, 0.3))
         _revive(nodes, c)
-        victim = VICTIMS[(len(c.kills)) % len(VICTIMS)] if len(c.kills) < len(VICTIMS) else c.rng.choice(VICTIMS)
+        victims = c.victims
+        victim = victims[len(c.kills) % len(victims)] if len(c.kills) < len(victims) else c.rng.choice(victims)
         record = _kill(c, victim, nodes, servers)
         record["applied_before"] = _count(pair.server_app, "SELECT COUNT(*) FROM applied")
         if args.reply:
@@ -181,27 +272,33 @@ def run(args: argparse.Namespace) -> int:
     print(f"e2e campaign: mode {args.mode}, {args.messages} messages, {args.kills} kills, loss {args.loss}, "
           f"seed {args.seed}, {args.pair}, stores {args.store}, {'request-reply' if args.reply else 'one-way'}"
           f"{', client polls (no endpoint)' if args.no_listen else ''}, "
-          f"{f'paced at {args.rate:.1f} orders/s' if args.rate > 0 else 'unpaced'}", flush=True)
+          f"{f'paced at {args.rate:.1f} orders/s' if args.rate > 0 else 'unpaced'}"
+          f"{f', {args.replicas} replicas per node, lease ttl {args.ttl:g} s' if args.replicas > 1 else ''}"
+          f"{', pauses' if args.pause else ''}", flush=True)
     pg, maria = _databases(Path(args.root))
     pair = _pair(args, pg, maria, tag)
-    client_config, server_config = pair.write(out)
+    c.replicas = Replicas(pair, servers=args.replicas, clients=args.replicas, ttl=args.ttl)
+    configs = c.replicas.write(out)
     loss = dict(drop_request=args.loss / 2, drop_response=args.loss / 2, duplicate_request=args.loss / 2,
                 delay=0.2, delay_ms=(0, 30))
-    proxies = [LossyProxy(f"http://127.0.0.1:{pair.server_port}", port=pair.proxy_port, seed=args.seed, **loss).start()]
+    if args.replicas > 1:
+        loss["failover_s"] = args.failover_s
+    proxies = [LossyProxy(c.replicas.urls("server"), port=pair.proxy_port, seed=args.seed, **loss).start()]
     if pair.back_proxy_port is not None:  # a client without an endpoint is never called: it polls
-        proxies.append(LossyProxy(f"http://127.0.0.1:{pair.client_port}", port=pair.back_proxy_port,
+        proxies.append(LossyProxy(c.replicas.urls("client"), port=pair.back_proxy_port,
                                   seed=args.seed + 1, **loss).start())
     sending = {"QTP_TEST_SEND": str(args.messages), "QTP_TEST_ABORT_EVERY": str(ABORT_EVERY)}
     if args.rate > 0:
         sending["QTP_TEST_RATE"] = str(args.rate)
-    nodes = {"server": NodeProcess(server_config, out / "server.log"),
-             "client": NodeProcess(client_config, out / "client.log", sending)}
+    nodes = {name: NodeProcess(configs[name], out / f"{name}.log", sending if name.startswith("client") else None)
+             for name in (*c.replicas.names("server"), *c.replicas.names("client"))}
     servers = {"postgresql": pg, "mariadb": maria}
     try:
-        nodes["server"].start()
-        nodes["client"].start()
+        for node in nodes.values():  # the servers first: the first replica of each node is its owner
+            node.start_replica()
         if args.no_listen:
-            assert listening_ports(nodes["client"].proc.pid) == [], "the client without an endpoint bound a port"
+            assert all(listening_ports(nodes[name].proc.pid) == [] for name in c.replicas.names("client")), \
+                "the client without an endpoint bound a port"
             print("  the client listens on no port (checked in /proc)", flush=True)
         _run_kills(c, pair, nodes, servers)
         drained = _drain(c, pair, nodes, proxies)
@@ -210,6 +307,8 @@ def run(args: argparse.Namespace) -> int:
             node.stop()
         for proxy in proxies:
             proxy.stop()
+    if args.replicas > 1:
+        drained["proxies"] = [proxy.stats() for proxy in proxies]
     try:
         jobs = [(c.out / "reconcile-requests.json", pair.client_app, "orders", pair.server_app, "applied")]
         if args.reply:
@@ -234,20 +333,37 @@ def summarise(c: Campaign, drained: dict, requests_report: dict, replies_report:
     counts = requests_report["counts"]
     result = {"mode": c.args.mode, "messages": c.args.messages, "kills": len(c.kills), "loss": c.args.loss,
               "seed": c.args.seed, "pair": c.args.pair, "store": c.args.store, "reply": c.args.reply,
-              "victims": {v: sum(1 for k in c.kills if k["victim"] == v) for v in VICTIMS},
+              "victims": {v: sum(1 for k in c.kills if k["victim"] == v) for v in c.victims},
               "rate": c.args.rate, "kills_in_stream": _in_stream(c.kills, drained),
               "drained": drained, "requests": counts, "requests_verdict": requests_report["verdict"],
               "replies": replies_report["counts"] if replies_report else None,
               "replies_verdict": replies_report["verdict"] if replies_report else None,
               "elapsed_s": round(time.monotonic() - c.args.began, 1)}
+    if c.args.replicas > 1:
+        result.update(replicas=c.args.replicas, ttl=c.args.ttl, revived=c.revived, **_lease_summary(c.kills))
     verdict = "exactly-once" if result["requests_verdict"] == "exactly-once" and \
-        result["replies_verdict"] in (None, "exactly-once") else "violated"
+        result["replies_verdict"] in (None, "exactly-once") and not result.get("paused_wrote_after_loss") \
+        else "violated"
     result["verdict"] = verdict
     (c.out / "result.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("victims", "kills_in_stream", "requests", "replies", "elapsed_s")}))
+    print(json.dumps({k: result[k] for k in ("victims", "kills_in_stream", "requests", "replies", "elapsed_s",
+                                             "pauses", "paused_wrote_after_loss") if k in result}))
     print(f"results in {c.out}")
     print(verdict)
     return 0 if verdict == "exactly-once" else 1
+
+
+def _lease_summary(kills: list[dict]) -> dict:
+    """The pauses: how many, how many were taken over, how many of those exited 75 as they must, and the rows
+    the paused processes wrote after their takeover (must be 0: the campaign's verdict checks it)."""
+    pauses = [k for k in kills if k.get("paused")]
+    taken = [k for k in pauses if k["taken_over"]]
+    return {"pauses": len(pauses), "pauses_taken_over": len(taken),
+            "paused_exited_75": sum(1 for k in taken if k["exited_75"]),
+            "pauses_not_as_expected": sum(1 for k in pauses if not k["as_expected"]),
+            "paused_wrote_after_loss": sum(max(0, k.get("wrote_after_loss", 0)) for k in pauses),
+            "paused_unchecked": sum(1 for k in taken if k["victim"] == "pause-server" and
+                                    k.get("wrote_after_loss", -1) < 0)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,16 +387,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wsrm", default="1.1")
     parser.add_argument("--soap", default="1.2")
     parser.add_argument("--rate", type=float, default=None,
-                        help="orders/s the client sends (0: unpaced; default: messages / (kills * 1.2 s))")
+                        help="orders/s the client sends (0: unpaced; default: messages / (kills * 1.2 s), "
+                             "with --pause more seconds per kill for the share of pauses)")
     parser.add_argument("--drain-s", type=float, default=600.0, help="bound on the final wait")
     parser.add_argument("--quiet-s", type=float, default=30.0, help="nothing moved this long: stop waiting")
     parser.add_argument("--root", default=".qtp/campaign-db", help="folder of the campaign's own database servers")
     parser.add_argument("--stop-databases", action="store_true",
                         help="stop the campaign's database servers at the end (default: left running to inspect)")
     parser.add_argument("--out", default=None, help="results folder (default .qtp/campaign/<mode>_<seed>_<time>)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="processes per node sharing its [lease] (1: one process per node, no lease)")
+    parser.add_argument("--ttl", type=float, default=5.0, help="with --replicas: the lease's ttl in seconds")
+    parser.add_argument("--failover-s", type=float, default=2.0,
+                        help="with --replicas: a replica silent this long is passed over by the proxy")
+    parser.add_argument("--pause", action="store_true",
+                        help="with --replicas: some kills SIGSTOP a node's owner past its lease, then SIGCONT it")
     args = parser.parse_args(argv)
-    if args.rate is None:
-        args.rate = args.messages / (max(args.kills, 1) * KILL_SPACING_S)
+    if args.replicas < 1 or args.pause and args.replicas < 2:
+        parser.error("--replicas is 1 or more, and --pause needs --replicas 2 or more (a standby to take over)")
+    if args.rate is None:  # a pause lasts the ttl and 1-3 s more before its restart: a share of the kills do
+        pauses = len(PAUSES) / (2 * args.replicas + len(VICTIMS) - 2 + len(PAUSES)) if args.pause else 0.0
+        args.rate = args.messages / (max(args.kills, 1) * (KILL_SPACING_S + pauses * (args.ttl + 2.0)))
     return run(args)
 
 

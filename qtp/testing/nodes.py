@@ -379,6 +379,16 @@ class NodeProcess:
             return ""
 
 
+def owner_of(replicas: list[NodeProcess], timeout: float = 0.0) -> NodeProcess | None:
+    """The replica that owns the node (it serves), waiting up to ``timeout`` seconds for one; None if none."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = next((node for node in replicas if node.role() == "owner"), None)
+        if found is not None or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)
+
+
 def _stopped(pid: int) -> bool:
     """Every thread of process ``pid`` is stopped (or gone), as /proc says."""
     try:
