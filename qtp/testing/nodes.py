@@ -216,14 +216,14 @@ class Replicas:
         configs = {}
         for role, toml in texts.items():
             for name in self.names(role):
-                if name != role:  # one of several: its own log folder and port, and the lease
-                    own_log = f'log_dir = "{folder / f"logs-{name}"}"'
-                    toml = re.sub(r'(?m)^log_dir = ".*"$', own_log, texts[role], count=1)
-                    toml = re.sub(r'(?m)^listen = ".*"$', f'listen = "127.0.0.1:{self.ports[name]}"', toml, count=1)
-                    toml += lease
                 configs[name] = folder / f"{name}.toml"
-                configs[name].write_text(toml)
+                configs[name].write_text(toml if name == role else self._own(toml, folder, name) + lease)
         return configs
+
+    def _own(self, toml: str, folder: Path, name: str) -> str:
+        """The node's config as replica ``name`` has it: its own log folder and port."""
+        toml = re.sub(r'(?m)^log_dir = ".*"$', f'log_dir = "{folder / f"logs-{name}"}"', toml, count=1)
+        return re.sub(r'(?m)^listen = ".*"$', f'listen = "127.0.0.1:{self.ports[name]}"', toml, count=1)
 
 
 _NODE_IDS: dict[int, str] = {}  # port -> the [node] id of the NodeProcess listening there
