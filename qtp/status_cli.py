@@ -77,7 +77,15 @@ def render_lease(lease: dict) -> str:
     state = "expired" if expires is None or expires <= 0 else f"expires in {expires:.1f} s unless renewed"
     lines = [f"  lease: owner {lease['holder']}, epoch {lease['epoch']}, held for {age(lease['acquired_s_ago'])}, "
              f"{state}"]
-    rows = [[m["member"], m["role"] if m["role"] == "left" or m["expires_in_s"] > 0 else f"{m['role']} (gone)",
-             m["epoch"], age(m["seen_s_ago"]) + " ago"] for m in lease["members"]]
+    live = [m for m in lease["members"] if m["role"] != "left" and m["expires_in_s"] > 0]
+    gone = [m for m in lease["members"] if m not in live]  # newest first: the last few are worth a look
+    rows = [[m["member"], m["role"], m["epoch"], age(m["seen_s_ago"]) + " ago"] for m in live]
+    rows += [[m["member"], "left" if m["role"] == "left" else f"{m['role']} (gone)", m["epoch"],
+              age(m["seen_s_ago"]) + " ago"] for m in gone[:GONE_SHOWN]]
     lines += ["    " + line for line in table(["process", "role", "epoch", "last seen"], rows).splitlines()]
+    if len(gone) > GONE_SHOWN:
+        lines.append(f"    ... and {len(gone) - GONE_SHOWN} more processes gone (kept for an hour)")
     return "\n".join(lines)
+
+
+GONE_SHOWN = 5  # processes of the node that left or died, shown by `qtp status` (newest first)
