@@ -64,7 +64,7 @@ import sqlalchemy
 from sqlalchemy import event
 
 from qtp.config import LeaseSettings
-from qtp.errors import ConfigurationError, FencedError, LeaseHeldError, QtpError
+from qtp.errors import ConfigurationError, FencedError, LeaseHeldError
 
 log = logging.getLogger("qtp.lease")
 
@@ -188,8 +188,6 @@ class Lease:
         while True:
             try:
                 taken, holder, expires_in = self._try_take()
-            except QtpError:
-                raise
             except sqlalchemy.exc.SQLAlchemyError as exc:  # the database is down or a lock wait timed out
                 log.warning("node %s: lease not taken yet (%s); trying again", self.node_id, _first_line(exc))
                 time.sleep(poll)
