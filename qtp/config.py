@@ -160,6 +160,13 @@ def _lease_settings(path: Path, data: dict, resources: dict[str, str]) -> LeaseS
                                  "standby = \"wait\" | \"refuse\"")
     if data.get("coupled"):
         raise ConfigurationError(f"{path}: [lease] with [coupled] is not supported: a coupled node runs as one process")
+    memory = [f"[channels.{name}]" for name, c in (data.get("channels") or {}).items()
+              if isinstance(c, dict) and c.get("mode") == "memory"]
+    if (data.get("node") or {}).get("mode") == "memory":
+        memory.insert(0, "[node]")
+    if memory:
+        raise ConfigurationError(f"{path}: [lease] with mode = \"memory\" ({', '.join(memory)}): a standby cannot take "
+                                 "over what is in a process's memory; use xa or persistent")
     resource = table.get("resource", (data.get("node") or {}).get("store"))
     if resource is not None and resource not in resources:
         raise ConfigurationError(f"{path}: [lease] resource {resource!r} is not one of [resources.*] "

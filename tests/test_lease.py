@@ -122,7 +122,7 @@ def test_a_second_process_waits_as_a_standby_and_takes_over_when_the_owner_close
     waiter = threading.Thread(target=lambda: took.setdefault("report", second.start_recovery()))
     waiter.start()
     time.sleep(1.0)
-    assert waiter.is_alive() and second.lease.epoch == 0  # still waiting: the owner renews
+    assert waiter.is_alive() and second.lease is None  # still waiting: the owner renews
     view = read_lease(first.resource("a").url, NODE)
     assert view.holder == first.lease.member and {m["role"] for m in view.members} >= {"owner", "standby"}
     closed = time.monotonic()
@@ -242,7 +242,9 @@ def test_configurations_that_cannot_be_taken_over_are_refused(tmp_path, dbs, clo
                            ("[lease]\nstandby = \"maybe\"\n", "standby must be"),
                            ("[lease]\nresource = \"nope\"\n", "is not one of"),
                            ("[lease]\nttl = 4\nrenew = 3\n", "renew must be"),
-                           ("[lease]\n[coupled]\nx = 1\n", "not supported")]:
+                           ("[lease]\n[coupled]\nx = 1\n", "not supported"),
+                           ("[lease]\n[channels.c]\npeer = \"http://x/rm\"\nmode = \"memory\"\n",
+                            "memory.*channels.c")]:
         config.write_text(f"[node]\nid = \"n\"\n[resources.app]\nurl = \"{dbs[0].url}\"\n{table}")
         with pytest.raises(ConfigurationError, match=message):
             load_config(config)
@@ -294,3 +296,68 @@ def test_metrics_show_the_lease(tmp_path, dbs, closing):
     assert f'qtp_lease_epoch{{node="{NODE}"}} 1.0' in text_ and "qtp_lease_renewed_seconds_ago" in text_
     with pytest.raises(ConfigurationError, match="cannot take over what is in memory"):
         qtp.Node(tm, NodeSettings(mode="memory"))
+
+
+def test_an_application_transaction_may_idle_longer_than_the_lease_within_its_timeout(tmp_path, dbs, closing):
+    """The database ends a leased node's idle transactions only after the transaction timeout (outside
+    finding: with the limit at ttl, a handler slower than ttl was ended at every attempt, for ever)."""
+    tm = manager(tmp_path, "host-1", dbs, LeaseSettings(resource="a", ttl=1.0), timeout=30)
+    closing(tm)
+    tm.start_recovery()
+    with tm.transaction() as tx:
+        tx.connection("a").execute(text("UPDATE accounts SET balance = balance - 3 WHERE id = 1"))
+        tx.connection("b").execute(text("UPDATE accounts SET balance = balance + 3 WHERE id = 1"))
+        time.sleep(2.5)  # idle in both branches, past the lease's ttl
+        tx.connection("a").execute(text("UPDATE accounts SET balance = balance - 1 WHERE id = 2"))
+    assert balances(dbs[0]) == {1: BALANCE - 3, 2: BALANCE - 1} and balances(dbs[1])[1] == BALANCE + 3
+
+
+def test_a_standby_stopped_by_sigterm_is_marked_gone(tmp_path, dbs, closing):
+    """Outside finding: SIGTERM killed a waiting `qtp serve` where it stood, and `qtp status` went on listing
+    it as a live standby."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    first = qtp.TransactionManager.from_config(config_file(tmp_path, "host-1", dbs, ttl=5.0))
+    closing(first)
+    standby = subprocess.Popen([sys.executable, "-m", "qtp", "serve", "--config",
+                                str(config_file(tmp_path, "host-2", dbs, ttl=5.0))],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        def roles():
+            return {m["role"] for m in read_lease(first.resource("a").url, NODE).members
+                    if m["member"] != first.lease.member}
+        deadline = time.monotonic() + 60
+        while roles() != {"standby"}:
+            assert time.monotonic() < deadline and standby.poll() is None, standby.stdout.read().decode()[-2000:]
+            time.sleep(0.1)
+        os.kill(standby.pid, signal.SIGTERM)
+        assert standby.wait(30) == 128 + signal.SIGTERM
+        assert roles() == {"left"}
+    finally:
+        standby.kill()
+        standby.wait()
+
+
+@pytest.fixture(scope="module")
+def binlog_maria(tmp_path_factory):
+    from embedded_support import discard
+    from qtp.embedded import EmbeddedMariaDB
+
+    server = EmbeddedMariaDB(tmp_path_factory.mktemp("lease-binlog"), binlog=True)
+    server.start()
+    yield server
+    discard(server)
+
+
+def test_a_lease_over_databases_that_cannot_hold_a_decision_is_refused_at_start(tmp_path, binlog_maria, closing):
+    """Outside finding: with MariaDB's binary log on in every resource, the node started and then rolled back
+    every two-phase commit, for ever."""
+    a, b = make_accounts(binlog_maria.create_database("la")), make_accounts(binlog_maria.create_database("lb"))
+    tm = manager(tmp_path, "host-1", (a, b), LeaseSettings(resource="a"))
+    closing(tm)
+    with pytest.raises(ConfigurationError, match="needs a database that can hold commit decisions"):
+        tm.start_recovery()
+    assert tm.lease is None

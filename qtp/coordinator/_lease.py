@@ -39,9 +39,10 @@ It also refuses locally first: the owner counts its lease from the instant it *s
 renewal, and once ``ttl`` less a tenth has passed on its own monotonic clock it refuses every commit itself
 until a renewal succeeds: a process that is merely slow stops writing before anyone may take over.
 
-**Liveness.** Sessions of the node's engines get an idle-in-transaction limit of ``ttl`` (PostgreSQL
-``idle_in_transaction_session_timeout``, MariaDB ``idle_transaction_timeout``): a paused owner's open
-transactions are ended by the database, so that their row locks do not hold up the new owner.
+**Liveness.** Sessions of the node's engines end a transaction left idle too long (PostgreSQL
+``idle_in_transaction_session_timeout``, MariaDB ``idle_transaction_timeout``): the messaging stores' after
+``ttl``, the application's after its transaction timeout (or ``ttl`` if longer), so that a paused owner's open
+transactions, and their row locks, do not hold up the new owner for longer than that.
 
 **Decisions.** A standby cannot read another host's file log, so with ``[lease]`` a commit decision goes
 only where it can: the Logging Last Resource row in one of the node's SQL databases (``llr = true``, every
@@ -183,6 +184,13 @@ class Lease:
             for db in self.databases:
                 db.create(lease_tables=db is self.home)
             self._created = True
+        try:
+            return self._acquire()
+        except BaseException:  # stopped while waiting (SIGTERM, Ctrl-C), or refused: not a standby any more
+            self.release()
+            raise
+
+    def _acquire(self) -> int:
         poll = max(0.05, min(1.0, self.settings.ttl / 10))
         said = None
         while True:
@@ -195,9 +203,8 @@ class Lease:
             if taken:
                 break
             if self.settings.standby == "refuse":
-                raise LeaseHeldError(
-                    f"node {self.node_id!r} is owned by {holder} (its lease expires in {expires_in:.1f} s unless "
-                    "renewed); [lease] standby = \"refuse\": this process does not wait")
+                raise LeaseHeldError(f"node {self.node_id!r} is owned by {holder} (its lease expires in "
+                                     f"{expires_in:.1f} s unless renewed)")
             if said != holder:
                 log.warning("node %s: this process (%s) is a standby for node %s: owner %s, its lease expires in "
                             "%.1f s unless renewed", self.node_id, self.member, self.node_id, holder, expires_in)
@@ -380,10 +387,10 @@ def lease_home(node_id: str, settings: LeaseSettings, names: list[str]) -> str:
                              f"{', '.join(sorted(names))} holds the lease")
 
 
-def limit_idle(engine: Any, ttl: float) -> None:
-    """Sessions of ``engine`` (one of a leased node's) end a transaction left idle longer than ``ttl``: a
-    paused owner's open transactions, and their row locks, do not outlive its lease by much."""
-    family, seconds = _family(engine.url), max(1, round(ttl))
+def limit_idle(engine: Any, limit: float) -> None:
+    """Sessions of ``engine`` (one of a leased node's) end a transaction left idle longer than ``limit`` seconds:
+    a paused owner's open transactions, and their row locks, do not outlive it by more than that."""
+    family, seconds = _family(engine.url), max(1, round(limit))
 
     @event.listens_for(engine, "connect")
     def _idle_limit(raw: Any, _record: Any) -> None:

@@ -332,12 +332,21 @@ class TransactionManager:
             raise ConfigurationError(f"node {self.node_id!r}: [lease] needs every resource to be a SQL database "
                                      f"(not {', '.join(memory) or 'none at all'}): a standby takes over only what "
                                      "is in the databases")
+        for resource in resources:
+            getattr(resource, "probe", lambda: None)()  # MariaDB: is its binary log on? (then it is no last resource)
+        if not any(r.last_resource_capable for r in resources):
+            raise ConfigurationError(f"node {self.node_id!r}: [lease] needs a database that can hold commit decisions "
+                                     "(PostgreSQL, or MariaDB without the binary log): with none, every two-phase "
+                                     "commit would need the file log, which a standby on another host cannot read")
         home = self.resource(lease_home(self.node_id, settings, [r.name for r in resources]))
-        self.lease = Lease(self.node_id, settings, home, resources, self._lease_lost)
+        lease = Lease(self.node_id, settings, home, resources, self._lease_lost)
         for resource in resources:
             resource.fence = self.fence
-            limit_idle(resource.engine, settings.ttl)
-        self.lease.acquire()
+            # an application's transaction may stay idle as long as its timeout allows; a paused owner's
+            # transactions are ended by the database then (qtp.coordinator._lease, "Liveness")
+            limit_idle(resource.engine, max(settings.ttl, self.timeout))
+        lease.acquire()
+        self.lease = lease  # (a lease not taken leaves every fence refusing)
 
     def fence(self, raw: Any, family: str) -> None:
         """Before a fenced commit on DBAPI connection ``raw``: FencedError unless this process owns the node."""

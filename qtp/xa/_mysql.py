@@ -136,6 +136,12 @@ class MySQLResource(SqlResource):
         else:
             self._flavour = "mysql"
 
+    def probe(self) -> None:
+        """Ask the server what it is now (MariaDB or MySQL, binary log on or off), so that
+        ``one_phase_safe`` and ``last_resource_capable`` are known before the first branch."""
+        with self.translate("ask the server what it is"), self.engine.connect() as conn:
+            self._check_server(conn.connection.dbapi_connection)
+
     def cancel(self, xid: Xid) -> None:
         branch = self._branches.get(xid)
         if branch is None or branch.prepared:

@@ -64,6 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     single_malloc_arena()  # before any thread: see its docstring
+    # A standby waits for its node's lease inside from_config (or the application's import of it): SIGTERM
+    # there ends the wait as an exception, so that it is marked gone rather than killed where it stands.
+    signal.signal(signal.SIGTERM, _exit_now)
     node = _load_app(args.app) if args.app else Node.from_config(args.config or "qtp.toml")
     node.start()  # after the application registered its handlers
     install(node.manager)
@@ -87,6 +90,10 @@ def run_serve(args: argparse.Namespace) -> int:
             return LEASE_LOST_EXIT
     node.close()
     return 0
+
+
+def _exit_now(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _load_app(spec: str) -> Any:
