@@ -48,11 +48,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from qtp.coordinator._lease import LEASE_TABLE
 from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres, free_port
 from qtp.testing.lossy_proxy import LossyProxy
 from qtp.testing.nodes import (LOST_LEASE_STATUS, NodeProcess, Pair, Replicas, applied_id_mark, client_schema,
+                               clock_mark, written_after,
                                listening_ports, node_id, owner_of, reconcile_reports, rows, server_schema)
 
 ABORT_EVERY = 13
@@ -150,9 +152,11 @@ def _kill(c: Campaign, victim: str, nodes: dict[str, NodeProcess], servers: dict
 def _pause(c: Campaign, role: str, nodes: dict[str, NodeProcess]) -> dict:
     """SIGSTOP the owner of node ``role`` for the lease's ttl and 1-3 s more, then SIGCONT it. If a standby
     took the node over meanwhile (the lease's epoch rose), the paused process must exit with status 75 and,
-    for the server, must have written no ``applied`` row after the takeover.
+    must have written no row after the takeover: for the server in ``applied``, for the client in ``orders``
+    and ``replies`` (``nodes.written_after``: the same argument with the client database's clock, which stamps
+    each row at its INSERT, in place of ids).
 
-    That check, from outside: ``applied.pid`` says which process inserted a row, and ``applied.id`` comes
+    The server's check, from outside: ``applied.pid`` says which process inserted a row, and ``applied.id`` comes
     from a sequence (PostgreSQL) or an AUTO_INCREMENT counter (MariaDB) that hands out ids in increasing
     order at INSERT time, whether or not the transaction commits. ``mark`` is the highest id handed out,
     read while the process has been stopped for longer than the lease (so every statement it sent before
@@ -160,8 +164,8 @@ def _pause(c: Campaign, role: str, nodes: dict[str, NodeProcess]) -> dict:
     ``mark`` was therefore inserted after the SIGCONT, by a process that had lost its lease: a write after
     the loss. The check is sound (no false alarm) but not complete: a transaction that inserted its row
     before the SIGSTOP and committed it after the SIGCONT has an id below ``mark`` and is not counted (the
-    fence is what refuses that COMMIT; test_lease.py shows it), nor is anything the process wrote in other
-    tables (the client's ``orders`` and ``replies`` have no pid). A row below ``mark`` committed after the
+    fence is what refuses that COMMIT; test_lease.py shows it), nor is anything the process wrote in the
+    messaging stores' tables. A row below ``mark`` committed after the
     takeover is legitimate when the new owner's recovery committed the paused process's prepared branch.
     Reading MAX(id) before the SIGSTOP instead would be wrong both ways: commits in flight at the SIGSTOP
     and branches recovered by the new owner would look like writes after the loss. Ids are never handed
@@ -179,15 +183,14 @@ def _pause(c: Campaign, role: str, nodes: dict[str, NodeProcess]) -> dict:
     owner.pause()
     time.sleep(held)
     record["epoch_after"] = _count(store, epoch)
-    mark = _mark(pair.server_app) if role == "server" else -1
+    mark = _mark(pair.server_app if role == "server" else pair.client_app, role)
     owner.resume()
     taken_over = record["epoch_after"] > record["epoch_before"] >= 0
     status = owner.wait_exit(c.args.ttl + 30 if taken_over else 1.0)
     record.update(taken_over=taken_over, exit=status, exited_75=status == LOST_LEASE_STATUS,
                   as_expected=status == LOST_LEASE_STATUS if taken_over else status is None)
-    if taken_over and mark >= 0:
-        record["wrote_after_loss"] = _count(pair.server_app, "SELECT COUNT(*) FROM applied "
-                                                             f"WHERE pid = {owner.proc.pid} AND id > {mark}")
+    if taken_over and mark is not None:
+        record["wrote_after_loss"] = _wrote_after(pair, role, owner.proc.pid, mark)
     if status is None and taken_over:  # it did not notice: the record says so; the campaign goes on
         owner.kill()
     if not owner.alive():
@@ -195,10 +198,21 @@ def _pause(c: Campaign, role: str, nodes: dict[str, NodeProcess]) -> dict:
     return record
 
 
-def _mark(url: str) -> int:
+def _mark(url: str, role: str) -> Any:
+    """The server's highest ``applied.id`` handed out, or the client database's clock; None when the database
+    is being killed (no check this time)."""
     try:
-        return applied_id_mark(url)
-    except Exception:  # the database is being killed: no check this time
+        return applied_id_mark(url) if role == "server" else clock_mark(url)
+    except Exception:  # noqa: BLE001 - a database being killed: no reading
+        return None
+
+
+def _wrote_after(pair: Pair, role: str, pid: int, mark: Any) -> int:
+    try:
+        if role == "server":
+            return int(rows(pair.server_app, f"SELECT COUNT(*) FROM applied WHERE pid = {pid} AND id > {mark}")[0][0])
+        return written_after(pair.client_app, pid, mark)
+    except Exception:  # noqa: BLE001 - as _count: -1, not checked this time
         return -1
 
 
@@ -362,8 +376,7 @@ def _lease_summary(kills: list[dict]) -> dict:
             "paused_exited_75": sum(1 for k in taken if k["exited_75"]),
             "pauses_not_as_expected": sum(1 for k in pauses if not k["as_expected"]),
             "paused_wrote_after_loss": sum(max(0, k.get("wrote_after_loss", 0)) for k in pauses),
-            "paused_unchecked": sum(1 for k in taken if k["victim"] == "pause-server" and
-                                    k.get("wrote_after_loss", -1) < 0)}
+            "paused_unchecked": sum(1 for k in taken if k.get("wrote_after_loss", -1) < 0)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -192,7 +192,7 @@ def run_outbox(pg, maria, folder: Path, messages: int, threads: int, tag: str, s
                rate: float | None = None) -> dict:
     """(s) with ``strong``, else (c): the hand-written outbox, relay and inbox."""
     client_url, server_url = _fresh(pg, f"oc_{tag}"), _fresh(maria, f"os_{tag}")
-    create(client_url, "CREATE TABLE orders (k int PRIMARY KEY, status varchar(16) NOT NULL DEFAULT 'committed')")
+    client_schema(client_url)  # the same client table as qtp's variants write
     create(client_url, "CREATE TABLE outbox (id bigserial PRIMARY KEY, k int NOT NULL, msg_id varchar(64) NOT NULL, "
                        "payload bytea NOT NULL, enqueued_at double precision NOT NULL)")
     server_schema(server_url)

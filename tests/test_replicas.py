@@ -115,3 +115,24 @@ def test_a_standby_takes_over_from_a_killed_owner_and_from_a_paused_one_which_ex
     assert written_by(b, after=mark) == 0
     assert {pid for (pid,) in rows(server_app, "SELECT DISTINCT pid FROM applied")} == {first, b.proc.pid, a.proc.pid}
     assert counts["switches"] >= 2
+
+
+@pytest.mark.parametrize("db", ["pg", "mariadb"])
+def test_written_after_counts_only_what_a_process_inserted_after_the_mark(db, pg_db, maria_db) -> None:
+    """The campaign's check that a paused client wrote nothing after its takeover (nodes.written_after)."""
+    import time
+
+    from qtp.testing.nodes import clock_mark, create, written_after
+
+    url = (pg_db if db == "pg" else maria_db)("client")
+    client_schema(url)
+    create(url, "INSERT INTO orders (k, pid) VALUES (1, 4242)")
+    create(url, "INSERT INTO replies (k, kind, pid) VALUES (1, 'reply', 4242)")
+    time.sleep(0.01)
+    mark = clock_mark(url)
+    assert written_after(url, 4242, mark) == 0
+    time.sleep(0.01)
+    create(url, "INSERT INTO orders (k, pid) VALUES (2, 4242)")
+    create(url, "INSERT INTO orders (k, pid) VALUES (3, 4343)")
+    create(url, "INSERT INTO replies (k, kind, pid) VALUES (2, 'reply', 4242)")
+    assert written_after(url, 4242, mark) == 2 and written_after(url, 4343, mark) == 1

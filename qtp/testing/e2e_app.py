@@ -86,7 +86,8 @@ if "orders" in node.channels and node.channels["orders"].reply:
             k, kind = int(re.search(r":order-(\d+)-", reply.relates_to).group(1)), "fault"
         else:
             k, kind = _order(reply.payload), "reply"
-        tx.connection("app").execute(text("INSERT INTO replies (k, kind) VALUES (:k, :kind)"), {"k": k, "kind": kind})
+        tx.connection("app").execute(text("INSERT INTO replies (k, kind, pid) VALUES (:k, :kind, :p)"),
+                                     {"k": k, "kind": kind, "p": os.getpid()})
 
 
 class Abort(Exception):
@@ -107,7 +108,7 @@ def _send(count: int, abort_every: int, lane: int, lanes: int, padding: str, rat
         while True:
             try:
                 with qtp.transaction() as tx:
-                    tx.connection("app").execute(text("INSERT INTO orders (k) VALUES (:k)"), {"k": k})
+                    tx.connection("app").execute(text("INSERT INTO orders (k, pid) VALUES (:k, :p)"), {"k": k, "p": os.getpid()})
                     tx.send("orders", f'<order xmlns="urn:test" k="{k}">{padding}</order>'.encode(), action=ACTION,
                             message_id=f"urn:qtp:m:{int(time.time() * 1e6)}:order-{k}-{uuid.uuid4().hex}")
                     if abort_every and k % abort_every == 0:
@@ -127,7 +128,8 @@ def _record_abort(engine: sa.Engine, k: int) -> None:
     while True:
         try:
             with engine.begin() as conn:
-                conn.execute(text("INSERT INTO orders (k, status) VALUES (:k, 'aborted')"), {"k": k})
+                conn.execute(text("INSERT INTO orders (k, status, pid) VALUES (:k, 'aborted', :p)"),
+                             {"k": k, "p": os.getpid()})
             return
         except Exception as exc:  # the database is restarting
             logging.warning("recording aborted order %d failed (%s); retrying", k, exc)

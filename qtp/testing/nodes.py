@@ -42,9 +42,30 @@ def create(url: str, ddl: str) -> None:
 
 def client_schema(url: str) -> None:
     """``orders``: one row per order, status committed (its transaction sent it) or aborted (rolled back on
-    purpose, recorded afterwards); ``replies``: one row per reply or fault applied (kind reply / fault)."""
-    create(url, "CREATE TABLE orders (k int PRIMARY KEY, status varchar(16) NOT NULL DEFAULT 'committed')")
-    create(url, "CREATE TABLE replies (k int NOT NULL, kind varchar(8) NOT NULL)")
+    purpose, recorded afterwards); ``replies``: one row per reply or fault applied (kind reply / fault). Each
+    row also says which process inserted it (``pid``: replicas) and when, by the database's clock at the
+    INSERT (``written_at``, see ``written_after``)."""
+    stamp = "timestamp DEFAULT clock_timestamp()" if url.startswith("postgresql") else \
+        "datetime(6) DEFAULT CURRENT_TIMESTAMP(6)"
+    create(url, "CREATE TABLE orders (k int PRIMARY KEY, status varchar(16) NOT NULL DEFAULT 'committed', "
+                f"pid int, written_at {stamp})")
+    create(url, f"CREATE TABLE replies (k int NOT NULL, kind varchar(8) NOT NULL, pid int, written_at {stamp})")
+
+
+def clock_mark(url: str) -> Any:
+    """The client database's clock now, as ``written_at`` stamps rows: a row stamped later was inserted later."""
+    return rows(url, "SELECT clock_timestamp()::timestamp" if url.startswith("postgresql") else "SELECT NOW(6)")[0][0]
+
+
+def written_after(url: str, pid: int, mark: Any) -> int:
+    """Rows of the client's ``orders`` and ``replies`` that process ``pid`` inserted after ``mark``."""
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return sum(conn.execute(text(f"SELECT COUNT(*) FROM {table} WHERE pid = :p AND written_at > :m"),
+                                    {"p": pid, "m": mark}).scalar() for table in ("orders", "replies"))
+    finally:
+        engine.dispose()
 
 
 def server_schema(url: str) -> None:
