@@ -90,11 +90,13 @@ class Node:
     def __init__(self, manager: Any, settings: NodeSettings | None = None):
         settings = settings or NodeSettings()
         check(settings)
-        memory = [name for name, c in settings.channels.items() if c.mode == "memory"]
-        if getattr(manager, "lease_settings", None) is not None and (settings.mode == "memory" or memory):
+        # (a file's [lease] with memory mode is refused when it is read; this is for nodes built in code)
+        memory = (["[node]"] if settings.mode == "memory" else []) + \
+            [name for name, c in settings.channels.items() if c.mode == "memory"]
+        if getattr(manager, "lease_settings", None) is not None and memory:
             raise ConfigurationError(f"node {manager.node_id!r} has a [lease] (replicas), and a standby cannot take "
-                                     f"over what is in memory: mode \"memory\" on {'[node]' if settings.mode == 'memory' else ', '.join(memory)}; "
-                                     "use xa or persistent")
+                                     f"over what is in memory: mode \"memory\" on {', '.join(memory)}; use xa or "
+                                     "persistent")
         self.manager = manager
         self.settings = settings
         self.limits: Limits = settings.limits
