@@ -361,3 +361,17 @@ def test_a_lease_over_databases_that_cannot_hold_a_decision_is_refused_at_start(
     with pytest.raises(ConfigurationError, match="needs a database that can hold commit decisions"):
         tm.start_recovery()
     assert tm.lease is None
+
+
+def test_recover_beside_a_standby_of_this_host_names_the_owner(tmp_path, dbs, closing):
+    """Outside re-check: `qtp recover` with a waiting standby's file blamed that standby's "transaction manager"
+    for holding the log and did not say who owns the node."""
+    from qtp.recovery._node import recover_node
+
+    first = qtp.TransactionManager.from_config(config_file(tmp_path, "host-1", dbs, ttl=5.0))
+    closing(first)
+    standby = qtp.TransactionManager(NODE, tmp_path / "host-2" / "logs", recovery_interval=None,
+                                     lease=LeaseSettings(resource="a", ttl=5.0))
+    closing(standby)  # it holds its log folder's lock from here on, as a waiting `qtp serve` does
+    with pytest.raises(qtp.errors.LiveManagerError, match=f"owner is {first.lease.member} \\(epoch 1\\)"):
+        recover_node(load_config(config_file(tmp_path, "host-2", dbs, ttl=5.0)))

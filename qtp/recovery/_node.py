@@ -150,6 +150,18 @@ def lease_view(config: Config) -> dict | None:
 
 
 def _live(config: Config, directory: Path, holder: str) -> LiveManagerError:
+    if config.lease is not None:  # a replica on this host: the owner, or a standby waiting for the lease
+        try:
+            view = lease_view(config)
+        except Exception as exc:  # noqa: BLE001 - the lease's database is down: say so, refuse all the same
+            owner = f"its lease cannot be read: {exc}"
+        else:
+            owner = f"the node's owner is {view['holder']} (epoch {view['epoch']})" if view else "nobody owns it yet"
+        return LiveManagerError(
+            f"node {config.node_id!r} runs as replicas and a process of it on this host (pid {holder}, the owner "
+            f"or a standby) holds the decision log {directory}; {owner}. The owner recovers the node's in-doubt "
+            "branches by itself, so `qtp recover` will not act beside it; `qtp status` shows the owner and its "
+            "lease")
     return LiveManagerError(
         f"node {config.node_id!r} is running: its transaction manager (pid {holder}) holds the decision log "
         f"{directory}, and recovers its own in-doubt branches at start and in the background; `qtp recover` "
