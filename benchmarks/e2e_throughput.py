@@ -21,6 +21,8 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
   must all be applied within the first interval; the 10 %-90 % window of the replies then lies in the drain);
 - (L) as (a), each node run with a ``[lease]`` (docs/operations.md: one owner among replicas; here one
   process each), what the fence before every commit costs;
+- (R) as (L), each node with a second replica waiting as its standby (its own log folder and port, as on
+  another host): what a standby costs the owner (its CPU is reported as ``standbys``);
 - (s) **the strong baseline**, what a user would hand-write: an ``outbox`` row written in the client's
   local transaction; one relay thread takes up to 500 rows (``FOR UPDATE SKIP LOCKED``, in id order),
   sends them in one POST (JSON), and deletes them on a 200 in the same transaction; the server inserts the
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import signal
 import statistics
@@ -68,7 +71,7 @@ PAD = 1000 - len('<order xmlns="urn:test" k="12345"></order>')
 LABELS = {"a": "qtp xa, queues co-located", "A": "qtp xa, co-located, authenticated peers", "b": "qtp xa, queues in the other db",
           "r": "qtp xa, co-located, request-reply", "p": "qtp xa, request-reply, client polls",
           "d": "qtp xa, request-reply, polled backlog (drain)",
-          "L": "qtp xa, co-located, [lease] (fenced commits)", "s": "strong outbox baseline", "c": "serial outbox baseline"}
+          "L": "qtp xa, co-located, [lease] (fenced commits)", "R": "qtp xa, co-located, [lease], a standby each", "s": "strong outbox baseline", "c": "serial outbox baseline"}
 STRONG_BATCH = 500
 
 
@@ -142,7 +145,7 @@ def _databases_cpu(pg, maria) -> dict[str, int | None]:
 def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, tag: str,
             rate: float | None = None, batch_handler: bool = False, reply: bool = False,
             secret: str | None = None, profile: Path | None = None, polls: bool = False, drain: bool = False,
-            lease: bool = False) -> dict:
+            lease: bool = False, standby: bool = False) -> dict:
     client_app, server_app = _fresh(pg, f"tc_{tag}"), _fresh(maria, f"ts_{tag}")
     client_schema(client_app)
     server_schema(server_app)
@@ -154,7 +157,7 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
     run = folder / tag
     run.mkdir(parents=True, exist_ok=True)
     client_config, server_config = pair.write(run)
-    if lease:
+    if lease or standby:
         for config in (client_config, server_config):
             config.write_text(config.read_text() + "\n[lease]\nttl = 10\n")
     server = NodeProcess(server_config, run / "server.log",
@@ -163,9 +166,16 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
     if rate:
         sending["QTP_TEST_RATE"] = str(rate)
     client = NodeProcess(client_config, run / "client.log", sending)
+    standbys = [_standby(server_config, "server"), _standby(client_config, "client", sending)] if standby else []
+    if standbys:  # each owner first, so that its standby waits; the client's starts as the client sends
+        standbys[0].start_replica()
     began = time.monotonic()
     client.start()
-    cpu = CpuMeter({"client": client.proc.pid, "server": server.proc.pid, **_databases_cpu(pg, maria)})
+    if standbys:
+        standbys[1].start_replica()
+        assert all(node.role() == "standby" for node in standbys), "a standby took its node"
+    cpu = CpuMeter({"client": client.proc.pid, "server": server.proc.pid, **_databases_cpu(pg, maria),
+                    **({"standbys": standbys[0].proc.pid} if standbys else {})})
     spies = [_spy(profile / f"{tag}-{role}.txt", proc.proc.pid) for role, proc in (("client", client), ("server", server))
              ] if profile else []
     try:
@@ -178,6 +188,17 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
             spy.wait(30)
         client.stop()
         server.stop()
+        for node in standbys:
+            node.stop()
+
+
+def _standby(config: Path, role: str, env: dict[str, str] | None = None) -> NodeProcess:
+    """A second replica of the node of ``config``: its own log folder and port (as on another host)."""
+    text = re.sub(r'(?m)^log_dir = "(.*)"$', lambda m: f'log_dir = "{m.group(1)}-standby"', config.read_text(), count=1)
+    text = re.sub(r'(?m)^listen = ".*"$', f'listen = "127.0.0.1:{free_port()}"', text, count=1)
+    path = config.with_name(f"{role}-standby.toml")
+    path.write_text(text)
+    return NodeProcess(path, config.with_name(f"{role}-standby.log"), env)
 
 
 def _spy(out: Path, pid: int) -> subprocess.Popen:
@@ -293,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", default="1,16")
-    parser.add_argument("--variants", default="a,b,r,s,c", help="a, A, L, b, r, p, d (qtp), s (strong), c (serial); see above")
+    parser.add_argument("--variants", default="a,b,r,s,c", help="a, A, L, R, b, r, p, d (qtp), s (strong), c (serial); see above")
     parser.add_argument("--rate", type=float, default=None, help="pace the senders at this many messages/s")
     parser.add_argument("--batch-handler", action="store_true", help="the qtp server applies with a batch handler")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
@@ -316,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                                 args.batch_handler, reply=variant in ("r", "p", "d"), polls=variant == "p",
                                 drain=variant == "d",
                                 secret=secrets.token_urlsafe(32) if variant == "A" else None, lease=variant == "L",
+                                standby=variant == "R",
                                 profile=args.profile)
                 r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate,
                          batch_handler=args.batch_handler)
@@ -344,7 +366,7 @@ def summarise(results: list[dict]) -> dict:
                     for proc in runs[0].get("cpu_ms_per_msg", {})}
         for base in ("s", "c"):
             if base in row and row[base]["rate"]:
-                for variant in ("a", "A", "L", "b", "r", "p", "d"):
+                for variant in ("a", "A", "L", "R", "b", "r", "p", "d"):
                     if variant in row:
                         row[variant][f"ratio_to_{base}"] = round(row[variant]["rate"] / row[base]["rate"], 2)
         summary[threads] = row
