@@ -22,7 +22,7 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
 - (L) as (a), each node run with a ``[lease]`` (docs/operations.md: one owner among replicas; here one
   process each), what the fence before every commit costs;
 - (R) as (L), each node with a second replica waiting as its standby (its own log folder and port, as on
-  another host): what a standby costs the owner (its CPU is reported as ``standbys``);
+  another host): what a standby costs the owner (their CPU is reported as ``server_standby``, ``client_standby``);
 - (s) **the strong baseline**, what a user would hand-write: an ``outbox`` row written in the client's
   local transaction; one relay thread takes up to 500 rows (``FOR UPDATE SKIP LOCKED``, in id order),
   sends them in one POST (JSON), and deletes them on a 200 in the same transaction; the server inserts the
@@ -175,7 +175,7 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
         standbys[1].start_replica()
         assert all(node.role() == "standby" for node in standbys), "a standby took its node"
     cpu = CpuMeter({"client": client.proc.pid, "server": server.proc.pid, **_databases_cpu(pg, maria),
-                    **({"standbys": standbys[0].proc.pid} if standbys else {})})
+                    **{f"{role}_standby": node.proc.pid for role, node in zip(("server", "client"), standbys)}})
     spies = [_spy(profile / f"{tag}-{role}.txt", proc.proc.pid) for role, proc in (("client", client), ("server", server))
              ] if profile else []
     try:
