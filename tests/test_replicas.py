@@ -114,7 +114,9 @@ def test_a_standby_takes_over_from_a_killed_owner_and_from_a_paused_one_which_ex
     check_exactly_once(client_app, server_app, reply=False)
     assert written_by(b, after=mark) == 0
     assert {pid for (pid,) in rows(server_app, "SELECT DISTINCT pid FROM applied")} == {first, b.proc.pid, a.proc.pid}
-    assert counts["switches"] >= 2
+    # the proxy moved off the killed owner (the client was still sending then); after the pause the new
+    # owner may find everything already sent and apply it from the store, with no request to move for
+    assert counts["switches"] >= 1
 
 
 @pytest.mark.parametrize("db", ["pg", "mariadb"])
