@@ -71,6 +71,9 @@ def render_status(status: NodeStatus) -> str:
     return "\n".join(lines)
 
 
+GONE_SHOWN = 5  # processes of the node that left or died, shown by `qtp status` (newest first)
+
+
 def render_lease(lease: dict) -> str:
     """The owner, its epoch and lease, and every process of the node seen ([lease]: replicas)."""
     expires = lease["expires_in_s"]
@@ -86,6 +89,3 @@ def render_lease(lease: dict) -> str:
     if len(gone) > GONE_SHOWN:
         lines.append(f"    ... and {len(gone) - GONE_SHOWN} more processes gone (kept for an hour)")
     return "\n".join(lines)
-
-
-GONE_SHOWN = 5  # processes of the node that left or died, shown by `qtp status` (newest first)

@@ -164,7 +164,6 @@ class Lease:
         self.lost = threading.Event()
         self.lost_reason = ""
         self.renewed_at: float | None = None  # monotonic instant the last successful renewal was sent
-        self.takeovers = 0
         self._valid_until = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -251,7 +250,6 @@ class Lease:
                 conn.exec_driver_sql(f"UPDATE {LEASE_TABLE} SET holder = %s, epoch = %s, acquired_at = %s "
                                      "WHERE node_id = %s", (self.member, epoch + 1, now, n))
                 self.epoch = epoch + 1
-                self.takeovers += 1
             self._heartbeat(conn, "owner", self.epoch, now)
         self._renewed(sent)
         return True, None, 0.0

@@ -333,7 +333,7 @@ class TransactionManager:
                                      f"(not {', '.join(memory) or 'none at all'}): a standby takes over only what "
                                      "is in the databases")
         for resource in resources:
-            getattr(resource, "probe", lambda: None)()  # MariaDB: is its binary log on? (then it is no last resource)
+            resource.probe()  # MariaDB: is its binary log on? (then it cannot be the last resource)
         if not any(r.last_resource_capable for r in resources):
             raise ConfigurationError(f"node {self.node_id!r}: [lease] needs a database that can hold commit decisions "
                                      "(PostgreSQL, or MariaDB without the binary log): with none, every two-phase "

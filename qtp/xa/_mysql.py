@@ -137,8 +137,7 @@ class MySQLResource(SqlResource):
             self._flavour = "mysql"
 
     def probe(self) -> None:
-        """Ask the server what it is now (MariaDB or MySQL, binary log on or off), so that
-        ``one_phase_safe`` and ``last_resource_capable`` are known before the first branch."""
+        """MariaDB or MySQL, binary log on or off: ``one_phase_safe`` and ``last_resource_capable`` known now."""
         with self.translate("ask the server what it is"), self.engine.connect() as conn:
             self._check_server(conn.connection.dbapi_connection)
 

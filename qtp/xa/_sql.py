@@ -327,6 +327,10 @@ class SqlResource(Resource):
     def _is_missing_table(self, exc: BaseException) -> bool:
         raise NotImplementedError
 
+    def probe(self) -> None:
+        """Learn what the server is, where that decides ``last_resource_capable`` (MySQL/MariaDB: the binary
+        log), before the first branch; nothing to learn by default."""
+
     def may_have_written(self, xid: Xid) -> bool:
         return not self._idle(self._branch(xid, "may_have_written"))
 
