@@ -296,11 +296,12 @@ class Lease:
             now = conn.exec_driver_sql(f"SELECT {db.now}").scalar()
             row = conn.exec_driver_sql(f"SELECT holder, epoch FROM {LEASE_TABLE} WHERE node_id = %s",
                                        (self.node_id,)).first()
-            if row is not None and (row[0], row[1]) == (self.member, self.epoch):
+            holder = None if row is None else (row[0], int(row[1]))
+            if holder == (self.member, self.epoch):
                 self._heartbeat(conn, "owner", self.epoch, now)
-        if row is not None and (row[0], row[1]) == (self.member, self.epoch):
+        if holder == (self.member, self.epoch):
             self._renewed(sent)
-        return None if row is None else (row[0], int(row[1]))
+        return holder
 
     def _forget_gone(self) -> None:
         try:

@@ -81,9 +81,9 @@ def run_serve(args: argparse.Namespace) -> int:
     lease = node.manager.lease
     while not stop.wait(0.2):
         if lease is not None and lease.lost.is_set():
-            # another process owns the node now: stop at once (nothing here commits any more), and say so
-            # with status 75 (EX_TEMPFAIL), so that a supervisor starts this process again, as a standby
-            node.stop()
+            # another process owns the node now: stop at once (nothing here commits any more; the manager's
+            # close stops the node first), and say so with status 75 (EX_TEMPFAIL), so that a supervisor
+            # starts this process again, as a standby
             node.manager.close(drain_s=1.0)
             print(f"qtp serve: node {node.manager.node_id}: this process lost the node's lease "
                   f"({lease.lost_reason}); exiting with status {LEASE_LOST_EXIT}", file=sys.stderr, flush=True)
