@@ -57,7 +57,7 @@ Relative ``log_dir`` paths are taken from the folder holding the file.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from qtp.errors import ConfigurationError
@@ -112,6 +112,16 @@ class Config:
     llr: bool = True
     last_resources: set[str] = field(default_factory=set)
     lease: LeaseSettings | None = None  # [lease]: one owner among the node's processes (qtp.coordinator._lease)
+    slot: int | None = None  # one slot of a node whose replicas share the work (slot_configs)
+
+
+def slot_configs(config: Config) -> list[Config]:
+    """The node of ``config`` as the commands see it: itself, or with ``[lease] slots`` above 1 each of its slots
+    (``<node>.s<k>``: its own decision log folder, lease and fence, store tables ``qtp_rm_s<k>_*``)."""
+    if config.lease is None or config.lease.slots < 2:
+        return [config]
+    return [replace(config, node_id=f"{config.node_id}.s{k}", slot=k, lease=replace(config.lease, slots=1))
+            for k in range(config.lease.slots)]
 
 
 def load_config(path: str | Path) -> Config:

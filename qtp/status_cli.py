@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from qtp._render import age, run, table
+from qtp.config import slot_configs
 from qtp.coupled._status import coupled_status, coupled_warnings, render_coupled
 from qtp.recovery._node import NodeStatus, node_status
 from qtp.wsrm.runtime._status import messaging_status, messaging_warnings, render_messaging
@@ -37,7 +38,12 @@ def run_status(args: argparse.Namespace) -> int:
         return (render_status(status) + "\n" + render_messaging(status.messaging)  # type: ignore[attr-defined]
                 + ("\n" + render_coupled(coupled) if coupled else ""))
 
-    return run(args, compute, lambda status: status.__dict__, render, lambda status: not status.warnings)
+    def each(config: Any) -> list[NodeStatus]:  # a node whose replicas share the work: each of its slots
+        return [compute(slot) for slot in slot_configs(config)]
+
+    return run(args, each, lambda statuses: [s.__dict__ for s in statuses] if len(statuses) > 1 else statuses[0].__dict__,
+               lambda statuses: "\n\n".join(render(s) for s in statuses),
+               lambda statuses: not any(s.warnings for s in statuses))
 
 
 def render_status(status: NodeStatus) -> str:

@@ -9,8 +9,10 @@ stopped it (corrupt log, bad configuration); 3 refused: a live manager holds the
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from qtp._render import age, run, table
+from qtp.config import slot_configs
 from qtp.recovery._core import RecoveryReport
 from qtp.recovery._node import LiveManagerError, recover_node
 
@@ -27,8 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_recover(args: argparse.Namespace) -> int:
-    return run(args, lambda config: recover_node(config, dry_run=args.dry_run),
-               lambda report: report.to_dict(), render_report, lambda report: report.ok,
+    def each(config: Any) -> list[RecoveryReport]:  # a node whose replicas share the work: each of its slots
+        return [recover_node(slot, dry_run=args.dry_run) for slot in slot_configs(config)]
+
+    return run(args, each, lambda reports: [r.to_dict() for r in reports] if len(reports) > 1 else reports[0].to_dict(),
+               lambda reports: "\n\n".join(render_report(r) for r in reports), lambda reports: all(r.ok for r in reports),
                refused=(LiveManagerError,))
 
 

@@ -35,7 +35,7 @@ def stores(config: Config) -> list[tuple[str, Store, sqlalchemy.Engine]]:
         if url in opened:
             continue
         engine = sqlalchemy.create_engine(normalize_url(url), poolclass=sqlalchemy.pool.NullPool)
-        store = SqlStore(name, engine)
+        store = SqlStore(name, engine, prefix="qtp_rm_" if not config.slot else f"qtp_rm_s{config.slot}_")
         store.create()
         opened[url] = (name, store, engine)
     return list(opened.values())

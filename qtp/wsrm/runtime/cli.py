@@ -33,7 +33,7 @@ from typing import Any
 
 
 from qtp._render import table
-from qtp.config import load_config
+from qtp.config import load_config, slot_configs
 from qtp.coordinator import install
 from qtp.errors import ConfigurationError
 from qtp.wsrm.runtime._http import single_malloc_arena
@@ -56,6 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("ids", nargs="*", type=int, help="dead letter ids (retry/drop); none: every one")
     d.add_argument("--config", default="qtp.toml", help="the node's qtp.toml (default ./qtp.toml)")
     d.add_argument("--json", action="store_true", help="print JSON (list)")
+    d.add_argument("--slot", type=int, default=0,
+                   help="with [lease] slots: the slot whose dead letters (each slot keeps its own; default 0)")
     d.set_defaults(func=run_dead_letters)
 
 
@@ -113,7 +115,10 @@ def _load_app(spec: str) -> Any:
 
 
 def run_dead_letters(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    slots = slot_configs(load_config(args.config))
+    if not 0 <= args.slot < len(slots):
+        raise ConfigurationError(f"--slot {args.slot}: the node has {len(slots)} slot(s) (0 to {len(slots) - 1})")
+    config = slots[args.slot]
     opened = stores(config)
     if not opened:
         raise ConfigurationError(f"{args.config}: no SQL store ([node] store or [channels.*] store)")
