@@ -4,6 +4,7 @@ server node, each holding some of its slots, behind one proxy; judged from the d
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ from qtp.config import load_config
 from qtp.embedded import free_port
 from qtp.errors import ConfigurationError
 from qtp.testing.lossy_proxy import LossyProxy
-from qtp.testing.nodes import (NodeProcess, Pair, Replicas, check_exactly_once, client_schema, rows, server_schema,
+from qtp.testing.nodes import (NodeProcess, Pair, Replicas, applied_id_mark, check_exactly_once, client_schema, rows,
+                               server_schema,
                                wait_until)
 
 TOOK_SLOT = re.compile(rb"took slot (\d+) of node")
@@ -95,3 +97,74 @@ def test_two_replicas_share_a_channels_lanes_and_one_takes_the_others_slot_when_
             for node in (client, a, b):
                 node.kill()
     check_exactly_once(client_app, server_app, reply=True)
+
+
+def test_status_and_recover_act_on_each_slot_and_recover_refuses_beside_a_live_replica(pg_db, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    server_app = pg_db("server")
+    server_schema(server_app)
+    pair = Pair(pg_db("client"), server_app, proxy_port=free_port())
+    configs = Replicas(pair, servers=2, clients=1, ttl=1).write(tmp_path)
+    _share(configs["server-a"], 2)
+    qtp = lambda *args: subprocess.run([sys.executable, "-m", "qtp", *args, "--config", str(configs["server-a"])],  # noqa: E731
+                                       capture_output=True, text=True, timeout=120)
+    a = NodeProcess(configs["server-a"], tmp_path / "server-a.log")
+    try:
+        _serving(a)
+        wait_until(lambda: _slots_of(a) == [0, 1], 30, "server-a holding both slots")
+        shown = qtp("status", "--json")
+        statuses = json.loads(shown.stdout)
+        assert [s["node_id"] for s in statuses] == [f"{load_config(configs['server-a']).node_id}.s{k}" for k in (0, 1)]
+        member = re.search(rb"this process \(([^)]+)\) took over", a.said()).group(1).decode()
+        assert [s["lease"]["holder"] for s in statuses] == [member, member]
+        refused = qtp("recover")
+        assert refused.returncode == 3 and "will not act beside it" in refused.stderr
+        a.kill()
+        time.sleep(1.5)  # past the slots' ttl
+        done = qtp("recover", "--json")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert [r["node_id"] for r in json.loads(done.stdout)] == [s["node_id"] for s in statuses]
+    finally:
+        a.kill()
+
+
+def test_a_paused_replica_loses_its_slot_writes_nothing_after_and_gets_a_slot_back_later(pg_db, maria_db,
+                                                                                       tmp_path: Path) -> None:
+    client_app, server_app = pg_db("client"), maria_db("server")
+    client_schema(client_app)
+    server_schema(server_app)
+    pair = Pair(client_app, server_app, proxy_port=free_port(), client_extra="lanes = 4\n")
+    replicas = Replicas(pair, servers=2, clients=1, ttl=2)
+    configs = replicas.write(tmp_path)
+    for name in ("server-a", "server-b"):
+        _share(configs[name], 2)
+    a, b = (NodeProcess(configs[name], tmp_path / f"{name}.log") for name in ("server-a", "server-b"))
+    client = NodeProcess(configs["client"], tmp_path / "client.log",
+                         {"QTP_TEST_SEND": "1200", "QTP_TEST_RATE": "40", "QTP_TEST_ABORT_EVERY": "0",
+                          "QTP_TEST_THREADS": "4", "QTP_TEST_KEYS": "1"})
+    written_by = lambda node, after=0: rows(  # noqa: E731
+        server_app, f"SELECT COUNT(*) FROM applied WHERE pid = {node.proc.pid} AND id > {after}")[0][0]
+    with LossyProxy(replicas.urls("server"), port=pair.proxy_port, failover_s=1):
+        try:
+            _serving(a)
+            wait_until(lambda: len(_slots_of(a)) == 2, 30, "server-a holding both slots")
+            _serving(b)
+            wait_until(lambda: len(_slots_of(b)) == 1, 30, "server-b taking a slot")
+            client.start()
+            wait_until(lambda: written_by(b) >= 10, 90, "server-b applying orders")
+            lost = _slots_of(b)[0]
+            b.pause()
+            wait_until(lambda: _slots_of(a).count(lost) == 2, 30, "server-a taking the paused replica's slot")
+            mark = applied_id_mark(server_app)
+            b.resume()
+            wait_until(lambda: b"gives slot" in b.said(), 30, "server-b giving its lost slot up")
+            assert b.alive() and written_by(b, after=mark) == 0
+            wait_until(lambda: len(_slots_of(b)) == 2, 60, "server-b given a slot again (fair share)")
+            wait_until(lambda: rows(server_app, "SELECT COUNT(*) FROM applied")[0][0] >= 1200, 180, "every order")
+        finally:
+            for node in (client, a, b):
+                node.kill()
+    check_exactly_once(client_app, server_app, reply=False)
