@@ -219,10 +219,11 @@ def _check_sharing(path: Path, data: dict) -> None:
         raise ConfigurationError(f"{path}: [lease] slots > 1 needs [node] endpoint: the replicas share the requests "
                                  "that reach the node's one address (a node without an endpoint runs as one process, "
                                  "with standbys: slots = 1)")
-    if data.get("peers") or node.get("tls_cert"):
-        raise ConfigurationError(f"{path}: [lease] slots > 1 is not supported yet with [peers] (signed requests) or "
-                                 "TLS: a replica that forwards a request would have to vouch for its sender "
-                                 "(docs/operations.md, \"Replicas that share the work\"); use slots = 1 (a standby)")
+    if node.get("tls_cert"):
+        raise ConfigurationError(f"{path}: [lease] slots > 1 is not supported yet with TLS: a replica forwards a "
+                                 "request to the replica holding its slot over plain HTTP, and a client certificate "
+                                 "does not travel with it (docs/operations.md, \"Replicas that share the work\"); "
+                                 "use slots = 1 (a standby), or TLS ended at the balancer")
     if node.get("mode", "xa") != "xa" or any(isinstance(c, dict) and c.get("mode", "xa") != "xa"
                                               for c in (data.get("channels") or {}).values()):
         raise ConfigurationError(f"{path}: [lease] slots > 1 needs mode = \"xa\" everywhere")

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 
 from qtp.config import load_config
 from qtp.embedded import free_port
@@ -37,11 +38,12 @@ def _serving(node: NodeProcess, timeout: float = 60.0) -> NodeProcess:
     return node
 
 
-def test_slots_are_refused_where_a_forwarded_request_could_not_be_vouched_for(tmp_path: Path) -> None:
+def test_slots_are_refused_with_tls_without_an_endpoint_outside_xa_and_beyond_the_limits(tmp_path: Path) -> None:
     base = '[node]\nid = "s"\nendpoint = "http://127.0.0.1:1/rm"\nstore = "app"\n' \
            '[resources.app]\nurl = "postgresql://u@h/d"\n[lease]\nslots = 2\n'
     cases = {
-        "peers": base + '[peers.c]\nsecret = "0123456789abcdef0123456789abcdef"\n',
+        "tls": base.replace('endpoint = "http://127.0.0.1:1/rm"', 'endpoint = "https://127.0.0.1:1/rm"\n'
+                                                                  'tls_cert = "c.pem"\ntls_key = "k.pem"'),
         "no endpoint": base.replace('endpoint = "http://127.0.0.1:1/rm"\n', ""),
         "persistent": base.replace('store = "app"\n', 'store = "app"\nmode = "persistent"\n'),
         "too many": base.replace("slots = 2", "slots = 65"),
@@ -168,3 +170,44 @@ def test_a_paused_replica_loses_its_slot_writes_nothing_after_and_gets_a_slot_ba
             for node in (client, a, b):
                 node.kill()
     check_exactly_once(client_app, server_app, reply=False)
+
+
+def test_signed_requests_are_checked_by_the_slot_whichever_replica_they_reach(pg_db, maria_db, tmp_path: Path) -> None:
+    """With [peers], the replica holding the slot checks the signature of a forwarded request, and takes a
+    signature naming the boot of any live replica (the peer signs with the boot of whichever answered last)."""
+    client_app, server_app = pg_db("client"), maria_db("server")
+    client_schema(client_app)
+    server_schema(server_app)
+    pair = Pair(client_app, server_app, proxy_port=free_port(), reply=True, client_extra="lanes = 4\n",
+                secret="s" * 32)
+    replicas = Replicas(pair, servers=2, clients=1, ttl=2)
+    configs = replicas.write(tmp_path)
+    for name in ("server-a", "server-b"):
+        _share(configs[name], 2)
+    a, b = (NodeProcess(configs[name], tmp_path / f"{name}.log", {"QTP_TEST_LOG": "INFO"})
+            for name in ("server-a", "server-b"))
+    client = NodeProcess(configs["client"], tmp_path / "client.log",
+                         {"QTP_TEST_SEND": "400", "QTP_TEST_RATE": "50", "QTP_TEST_ABORT_EVERY": "0",
+                          "QTP_TEST_THREADS": "4", "QTP_TEST_KEYS": "1"})
+    written_by = lambda node: rows(server_app, f"SELECT COUNT(*) FROM applied WHERE pid = {node.proc.pid}")[0][0]  # noqa: E731
+    with LossyProxy(replicas.urls("server"), port=pair.proxy_port, failover_s=1):
+        try:
+            _serving(a)
+            wait_until(lambda: len(_slots_of(a)) == 2, 30, "server-a holding both slots")
+            _serving(b)
+            wait_until(lambda: len(_slots_of(b)) == 1, 30, "server-b taking a slot")
+            client.start()
+            wait_until(lambda: rows(client_app, "SELECT COUNT(*) FROM replies")[0][0] >= 400, 180, "every reply")
+            assert written_by(a) > 0 and written_by(b) > 0
+            # a 401 for a boot only while the client learns the first one: not one per switch of replica
+            stale = sum(node.said().count(b"names another start of this node") for node in (a, b))
+            assert stale <= 8, stale
+            # anonymous requests are refused by the slot, forwarded or not
+            for port in (replicas.ports["server-a"], replicas.ports["server-b"]):
+                answer = requests.post(f"http://127.0.0.1:{port}/rm", data=b"<x/>", timeout=10,
+                                       headers={"Content-Type": "application/soap+xml", "X-Qtp-Slot": "1"})
+                assert answer.status_code == 401
+        finally:
+            for node in (client, a, b):
+                node.kill()
+    check_exactly_once(client_app, server_app, reply=True)

@@ -229,6 +229,9 @@ class SeenSignatures:
     def __init__(self, window: float):
         self.window = window
         self.boot = secrets.token_urlsafe(16)
+        # a replica of a node whose replicas share the work also takes the boots of the other live replicas
+        # (a peer signs with the boot of whichever replica answered it last): qtp.wsrm.runtime._shared
+        self.others: frozenset[str] = frozenset()
         self._lock = threading.Lock()
         self._by_second: dict[int, set[bytes]] = {}
         self._horizon = 0  # seconds below it are forgotten
@@ -266,7 +269,7 @@ def verify_request(security: Security, header: str, method: str, path: str, body
         raise AuthenticationError(f"peer {sender}: timestamp outside the allowed clock skew ({seen.window:g} s)")
     if not hmac.compare_digest(_request_mac(peer.secret, fields, method, path, body), fields["sig"]):
         raise AuthenticationError(f"peer {sender}: signature does not match")
-    if fields["boot"] != seen.boot:
+    if fields["boot"] != seen.boot and fields["boot"] not in seen.others:
         raise StaleBoot(f"peer {sender}: the request names another start of this node (boot "
                         f"{fields['boot'] or 'none'!r}; now {seen.boot!r}): signed before it knew this one, "
                         "or replayed")

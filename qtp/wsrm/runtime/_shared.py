@@ -60,18 +60,20 @@ from qtp.xa import normalize_url
 from qtp.wsrm.runtime._http import HttpServer
 from qtp.wsrm.runtime._ids import SLOT_QUERY
 from qtp.wsrm.runtime._node import Node, _listen_address
+from qtp.wsrm.runtime._security import BOOT_HEADER, HEADER, WSGI_HEADER, SeenSignatures
 from qtp.wsrm.runtime._settings import node_settings
 
 log = logging.getLogger("qtp.wsrm.shared")
 
 REPLICA_TABLE = "qtp_node_replica"
 REPLICA_DDL = (f"CREATE TABLE IF NOT EXISTS {REPLICA_TABLE} (node_id varchar(31) NOT NULL, member varchar(120) "
-               "NOT NULL, address varchar(400) NOT NULL, seen_at double precision NOT NULL, expires_at double "
-               "precision NOT NULL, PRIMARY KEY (node_id, member))")
+               "NOT NULL, address varchar(400) NOT NULL, boot varchar(64) NOT NULL, seen_at double precision NOT "
+               "NULL, expires_at double precision NOT NULL, PRIMARY KEY (node_id, member))")
 FORWARDED = "X-Qtp-Forwarded"  # set on a request one replica passes to another
 SLOT_HEADER = "X-Qtp-Slot"
-_PASSED = ("content-type", "accept", "soapaction")  # request headers a forwarded request keeps
-_RELAYED = ("content-type", "x-qtp-boot")  # answer headers relayed back
+_PASSED = (("Content-Type", "CONTENT_TYPE"), ("Accept", "HTTP_ACCEPT"), ("SOAPAction", "HTTP_SOAPACTION"),
+           (HEADER, WSGI_HEADER))  # request headers a forwarded request keeps (the signature: the slot checks it)
+_RELAYED = ("content-type", BOOT_HEADER.lower(), HEADER.lower())  # answer headers relayed back
 _MESSAGE_ID = re.compile(rb"MessageID[^>]*>\s*([^<\s]+)\s*<")
 
 
@@ -164,7 +166,12 @@ class SharedNode:
         self._path = urlsplit(self.endpoint).path or "/"
         host, port = self.settings.listen or _listen_address(self.endpoint)
         self._listen = (host, port)
-        self.address = lease.address or f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}{self._path}"
+        # where the others forward to: the scheme and host of [lease] address (default: listen), the endpoint's
+        # path (a signature covers the path, and a slot's endpoint takes only its own)
+        base = urlsplit(lease.address) if lease.address else None
+        where = f"{base.scheme}://{base.netloc}" if base else \
+            f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
+        self.address = where + self._path
         from qtp.coordinator._lease import lease_home, process_member
 
         self.member = process_member()
@@ -188,6 +195,9 @@ class SharedNode:
                                                                   pool_maxsize=self.limits.http_threads))
         self._polls = itertools.count()
         self._tag = re.compile(rb"urn:qtp:" + re.escape(self.node_id.encode()) + rb":s(\d+):")
+        # one boot and one memory of signatures for all this replica's slots; the other live replicas' boots are
+        # taken too (docs/operations.md, "Replicas that share the work", on signatures)
+        self.seen = SeenSignatures(self.limits.max_clock_skew)
         self.manager = Managers(self)
         self.poll_s = max(0.05, min(1.0, lease.ttl / 10))
 
@@ -253,7 +263,8 @@ class SharedNode:
                 conn.exec_driver_sql(ddl)
         self.started = True
         host, port = self._listen
-        self._server = HttpServer(self, host, port, self.limits, health=lambda: self.started)
+        self._server = HttpServer(self, host, port, self.limits, health=lambda: self.started,
+                                  health_headers=((BOOT_HEADER, self.seen.boot),))
         self._server.start()
         try:
             self._balance_once()
@@ -340,13 +351,15 @@ class SharedNode:
         ids = [slot_id(self.node_id, k) for k in range(self.slot_count)]
         with self._home.begin() as conn:
             now = conn.exec_driver_sql(f"SELECT {now_sql}").scalar()
-            values = (self.address, now, now + ttl, self.node_id, self.member)
-            if not conn.exec_driver_sql(f"UPDATE {REPLICA_TABLE} SET address = %s, seen_at = %s, expires_at = %s "
-                                        "WHERE node_id = %s AND member = %s", values).rowcount:
-                conn.exec_driver_sql(f"INSERT INTO {REPLICA_TABLE} (address, seen_at, expires_at, node_id, member) "
-                                     "VALUES (%s, %s, %s, %s, %s)", values)
-            live = dict(conn.exec_driver_sql(f"SELECT member, address FROM {REPLICA_TABLE} WHERE node_id = %s AND "
-                                             "expires_at > %s", (self.node_id, now)).all())
+            values = (self.address, self.seen.boot, now, now + ttl, self.node_id, self.member)
+            if not conn.exec_driver_sql(f"UPDATE {REPLICA_TABLE} SET address = %s, boot = %s, seen_at = %s, "
+                                        "expires_at = %s WHERE node_id = %s AND member = %s", values).rowcount:
+                conn.exec_driver_sql(f"INSERT INTO {REPLICA_TABLE} (address, boot, seen_at, expires_at, node_id, "
+                                     "member) VALUES (%s, %s, %s, %s, %s, %s)", values)
+            found = conn.exec_driver_sql(f"SELECT member, address, boot FROM {REPLICA_TABLE} WHERE node_id = %s AND "
+                                         "expires_at > %s", (self.node_id, now)).all()
+            live = {member: address for member, address, _ in found}
+            self.seen.others = frozenset(boot for member, _, boot in found if member != self.member)
             marks = ", ".join(["%s"] * len(ids))
             rows = conn.exec_driver_sql(
                 f"SELECT l.node_id, l.holder FROM {LEASE_TABLE} l JOIN {MEMBER_TABLE} m ON m.node_id = l.node_id "
@@ -370,6 +383,7 @@ class SharedNode:
                 manager.add_resource(resource, url, last_resource=resource in config.last_resources)
             manager.start_recovery()
             node = Node(manager, replace(self.settings, slot=k, node_name=self.node_id))
+            node.wsgi.seen = self.seen
             for registration in self._registrations:
                 registration.apply(node)
             node.start()
@@ -445,8 +459,7 @@ class SharedNode:
         if not self._forwarding.acquire(blocking=False):
             return _plain(start_response, 503, "this replica is forwarding as much as it may now; retry")
         try:
-            headers = {name: environ[key] for name, key in (("Content-Type", "CONTENT_TYPE"), ("Accept", "HTTP_ACCEPT"),
-                                                             ("SOAPAction", "HTTP_SOAPACTION")) if environ.get(key)}
+            headers = {name: environ[key] for name, key in _PASSED if environ.get(key)}
             headers[FORWARDED] = self.member
             headers[SLOT_HEADER] = str(slot)
             try:
