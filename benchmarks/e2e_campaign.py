@@ -33,6 +33,16 @@ than a kill: the default pace leaves the stream that much more time per pause.
 
     python benchmarks/e2e_campaign.py --messages 2000 --kills 40 --replicas 2 --pause --ttl 5
 
+Replicas that share the work (``--slots N`` with ``--replicas M``, M >= 2): the server's replicas split its
+work into N slots (``[lease] slots``), each holds some and serves, and the server's proxy sends each request
+to the next replica in turn (round-robin; one that refuses or is silent is skipped for a second); the client's
+replicas stay owner and standbys. The victims are the same; "pause-server" then pauses a random live server
+replica, which counts as taken over when another replica's log says it took one of the slots the paused one
+had taken. The summary adds how many requests the server's proxy had answered by each server replica
+(``server_replica_requests``).
+
+    python benchmarks/e2e_campaign.py --messages 1000 --kills 20 --replicas 2 --slots 2 --ttl 3
+
 Every kill's outcome goes to ``<out>/kills.json``, the reconciliation reports to ``<out>/``; the verdict
 (``exactly-once`` or ``violated``; with ``--pause`` also violated when a paused process wrote after the
 takeover) is printed last and the exit code is 0 only for exactly-once.
@@ -123,6 +133,8 @@ def _kill(c: Campaign, victim: str, nodes: dict[str, NodeProcess], servers: dict
     if victim in nodes:
         if c.args.replicas > 1:
             record["role"] = nodes[victim].role()
+        if nodes[victim].slots > 1:
+            record["slots_taken"] = nodes[victim].slots_taken()
         nodes[victim].kill()
         nodes[victim].start_replica()
     elif victim in ("postgresql", "mariadb"):
@@ -170,22 +182,40 @@ def _pause(c: Campaign, role: str, nodes: dict[str, NodeProcess]) -> dict:
     Reading MAX(id) before the SIGSTOP instead would be wrong both ways: commits in flight at the SIGSTOP
     and branches recovered by the new owner would look like writes after the loss. Ids are never handed
     out twice by PostgreSQL; MariaDB may hand out again, after a crash of its own, ids that no committed
-    row holds, which can only hide a late row, never invent one."""
-    owner = owner_of([nodes[name] for name in c.replicas.names(role)], timeout=3 * c.args.ttl + 30)
+    row holds, which can only hide a late row, never invent one.
+
+    Server replicas that share the work (``--slots``): a random live one is paused, and it was taken over when
+    another replica's log says, during the pause, that it took one of the slots the paused one had taken
+    (``took_before``, ``took_after``: how many times the others had taken one of those)."""
+    replicas = [nodes[name] for name in c.replicas.names(role)]
+    if replicas[0].slots > 1:
+        live = [node for node in replicas if node.role() == "sharing"]
+        owner = c.rng.choice(live) if live else None
+    else:
+        owner = owner_of(replicas, timeout=3 * c.args.ttl + 30)
     if owner is None:
         return {"paused": None}
     pair = c.replicas.pair
-    store = (pair.server_store or pair.server_app) if role == "server" else (pair.client_store or pair.client_app)
-    epoch = f"SELECT epoch FROM {LEASE_TABLE} WHERE node_id = '{node_id(role, c.out)}'"
     held = c.args.ttl + c.rng.uniform(1.0, 3.0)
     record: dict = {"paused": next(name for name, node in nodes.items() if node is owner), "pid": owner.proc.pid,
-                    "paused_s": round(held, 3), "epoch_before": _count(store, epoch)}
+                    "paused_s": round(held, 3)}
+    if owner.slots > 1:
+        record["slots_held"] = held_slots = sorted(set(owner.slots_taken()))
+        others = [node for node in replicas if node is not owner]
+        taken = lambda: sum(k in held_slots for node in others for k in node.slots_taken())  # noqa: E731
+        before, after = "took_before", "took_after"
+    else:
+        store = (pair.server_store or pair.server_app) if role == "server" else (pair.client_store or pair.client_app)
+        epoch = f"SELECT epoch FROM {LEASE_TABLE} WHERE node_id = '{node_id(role, c.out)}'"
+        taken = lambda: _count(store, epoch)  # noqa: E731
+        before, after = "epoch_before", "epoch_after"
+    record[before] = taken()
     owner.pause()
     time.sleep(held)
-    record["epoch_after"] = _count(store, epoch)
+    record[after] = taken()
     mark = _mark(pair.server_app if role == "server" else pair.client_app, role)
     owner.resume()
-    taken_over = record["epoch_after"] > record["epoch_before"] >= 0
+    taken_over = record[after] > record[before] >= 0
     status = owner.wait_exit(c.args.ttl + 30 if taken_over else 1.0)
     record.update(taken_over=taken_over, exit=status, exited_75=status == LOST_LEASE_STATUS,
                   as_expected=status == LOST_LEASE_STATUS if taken_over else status is None)
@@ -288,16 +318,18 @@ def run(args: argparse.Namespace) -> int:
           f"{', client polls (no endpoint)' if args.no_listen else ''}, "
           f"{f'paced at {args.rate:.1f} orders/s' if args.rate > 0 else 'unpaced'}"
           f"{f', {args.replicas} replicas per node, lease ttl {args.ttl:g} s' if args.replicas > 1 else ''}"
+          f"{f', the server in {args.slots} slots shared by its replicas (round-robin)' if args.slots > 1 else ''}"
           f"{', pauses' if args.pause else ''}", flush=True)
     pg, maria = _databases(Path(args.root))
     pair = _pair(args, pg, maria, tag)
-    c.replicas = Replicas(pair, servers=args.replicas, clients=args.replicas, ttl=args.ttl)
+    c.replicas = Replicas(pair, servers=args.replicas, clients=args.replicas, ttl=args.ttl, slots=args.slots)
     configs = c.replicas.write(out)
     loss = dict(drop_request=args.loss / 2, drop_response=args.loss / 2, duplicate_request=args.loss / 2,
                 delay=0.2, delay_ms=(0, 30))
     if args.replicas > 1:
         loss["failover_s"] = args.failover_s
-    proxies = [LossyProxy(c.replicas.urls("server"), port=pair.proxy_port, seed=args.seed, **loss).start()]
+    proxies = [LossyProxy(c.replicas.urls("server"), port=pair.proxy_port, seed=args.seed,
+                          balance=c.replicas.balance("server"), **loss).start()]
     if pair.back_proxy_port is not None:  # a client without an endpoint is never called: it polls
         proxies.append(LossyProxy(c.replicas.urls("client"), port=pair.back_proxy_port,
                                   seed=args.seed + 1, **loss).start())
@@ -355,13 +387,17 @@ def summarise(c: Campaign, drained: dict, requests_report: dict, replies_report:
               "elapsed_s": round(time.monotonic() - c.args.began, 1)}
     if c.args.replicas > 1:
         result.update(replicas=c.args.replicas, ttl=c.args.ttl, revived=c.revived, **_lease_summary(c.kills))
+        per_target = drained["proxies"][0]["per_target"]    # the server's proxy: requests each replica answered
+        result.update(slots=c.args.slots, server_replica_requests={
+            name: per_target.get(url, 0) for name, url in zip(c.replicas.names("server"), c.replicas.urls("server"))})
     verdict = "exactly-once" if result["requests_verdict"] == "exactly-once" and \
         result["replies_verdict"] in (None, "exactly-once") and not result.get("paused_wrote_after_loss") \
         else "violated"
     result["verdict"] = verdict
     (c.out / "result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("victims", "kills_in_stream", "requests", "replies", "elapsed_s",
-                                             "pauses", "paused_wrote_after_loss") if k in result}))
+                                             "pauses", "paused_wrote_after_loss", "server_replica_requests")
+                      if k in result}))
     print(f"results in {c.out}")
     print(verdict)
     return 0 if verdict == "exactly-once" else 1
@@ -413,11 +449,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttl", type=float, default=5.0, help="with --replicas: the lease's ttl in seconds")
     parser.add_argument("--failover-s", type=float, default=2.0,
                         help="with --replicas: a replica silent this long is passed over by the proxy")
+    parser.add_argument("--slots", type=int, default=1,
+                        help="with --replicas: the server's replicas share its work in this many slots "
+                             "(round-robin proxy); 1: owner and standbys")
     parser.add_argument("--pause", action="store_true",
                         help="with --replicas: some kills SIGSTOP a node's owner past its lease, then SIGCONT it")
     args = parser.parse_args(argv)
     if args.replicas < 1 or args.pause and args.replicas < 2:
         parser.error("--replicas is 1 or more, and --pause needs --replicas 2 or more (a standby to take over)")
+    if args.slots < 1 or args.slots > 1 and args.replicas < 2:
+        parser.error("--slots is 1 or more, and --slots N > 1 needs --replicas 2 or more (replicas to share the work)")
     if args.rate is None:  # a pause lasts the ttl and 1-3 s more before its restart: a share of the kills do
         pauses = len(PAUSES) / (2 * args.replicas + len(VICTIMS) - 2 + len(PAUSES)) if args.pause else 0.0
         args.rate = args.messages / (max(args.kills, 1) * (KILL_SPACING_S + pauses * (args.ttl + 2.0)))
