@@ -459,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--replicas is 1 or more, and --pause needs --replicas 2 or more (a standby to take over)")
     if args.slots < 1 or args.slots > 1 and args.replicas < 2:
         parser.error("--slots is 1 or more, and --slots N > 1 needs --replicas 2 or more (replicas to share the work)")
+    if args.slots > 1 and (args.mode != "xa" or args.auth):
+        parser.error("--slots N > 1 needs --mode xa and no --auth (qtp refuses [lease] slots with other modes "
+                     "and with [peers])")
     if args.rate is None:  # a pause lasts the ttl and 1-3 s more before its restart: a share of the kills do
         pauses = len(PAUSES) / (2 * args.replicas + len(VICTIMS) - 2 + len(PAUSES)) if args.pause else 0.0
         args.rate = args.messages / (max(args.kills, 1) * (KILL_SPACING_S + pauses * (args.ttl + 2.0)))
