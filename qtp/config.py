@@ -20,6 +20,8 @@
     resource = "app"             # the SQL resource holding the lease (default: [node] store, else the only one)
     ttl = 10                     # seconds; a standby takes over this long after the owner stopped renewing
     standby = "wait"             # a second process waits as a standby, or "refuse"s to start
+    slots = 1                    # > 1: the replicas share the node's work, each holding some of its slots
+    address = "http://10.0.0.5:8080/rm"  # with slots: where the other replicas reach this one (default: listen)
 
     [recovery]                   # optional
     interval = 60                # seconds between background recovery passes (0: only at start)
@@ -64,6 +66,9 @@ _MESSAGING_NODE_KEYS = ("endpoint", "listen", "store", "mode", "allow_anonymous"
                         "tls_client_ca", "tls_ca", "metrics_token", "anonymous_addresses")
 
 
+MAX_SLOTS = 64
+
+
 @dataclass(frozen=True)
 class LeaseSettings:
     """``[lease]``: where the lease lives, how long it lasts, what a second process does."""
@@ -72,6 +77,8 @@ class LeaseSettings:
     ttl: float = 10.0            # seconds a lease lasts without renewal: a standby takes over this long after
     renew: float | None = None   # seconds between renewals (default ttl / 5)
     standby: str = "wait"        # wait (as a standby) | refuse (raise LeaseHeldError)
+    slots: int = 1               # > 1: the node's work in this many slots, shared by its live processes
+    address: str | None = None   # with slots: this process's own URL for the others (default: from listen)
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.ttl <= 3600:
@@ -81,6 +88,11 @@ class LeaseSettings:
                                      f"got {self.renew!r}")
         if self.standby not in ("wait", "refuse"):
             raise ConfigurationError(f"[lease] standby must be \"wait\" or \"refuse\", got {self.standby!r}")
+        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or not 1 <= self.slots <= MAX_SLOTS:
+            raise ConfigurationError(f"[lease] slots must be a whole number from 1 to {MAX_SLOTS}, got {self.slots!r}")
+        if self.address is not None and (not isinstance(self.address, str) or
+                                         not self.address.startswith(("http://", "https://"))):
+            raise ConfigurationError(f"[lease] address must be an http:// URL, got {self.address!r}")
 
     @property
     def renew_every(self) -> float:
@@ -155,9 +167,9 @@ def _lease_settings(path: Path, data: dict, resources: dict[str, str]) -> LeaseS
     table = data.get("lease")
     if table is None:
         return None
-    if not isinstance(table, dict) or set(table) - {"resource", "ttl", "renew", "standby"}:
-        raise ConfigurationError(f"{path}: [lease] takes resource = \"NAME\", ttl = SECONDS, renew = SECONDS and "
-                                 "standby = \"wait\" | \"refuse\"")
+    if not isinstance(table, dict) or set(table) - {"resource", "ttl", "renew", "standby", "slots", "address"}:
+        raise ConfigurationError(f"{path}: [lease] takes resource = \"NAME\", ttl = SECONDS, renew = SECONDS, "
+                                 "standby = \"wait\" | \"refuse\", slots = N and address = \"URL\"")
     if data.get("coupled"):
         raise ConfigurationError(f"{path}: [lease] with [coupled] is not supported: a coupled node runs as one process")
     memory = [f"[channels.{name}]" for name, c in (data.get("channels") or {}).items()
@@ -177,9 +189,33 @@ def _lease_settings(path: Path, data: dict, resources: dict[str, str]) -> LeaseS
     except (TypeError, ValueError):
         raise ConfigurationError(f"{path}: [lease] ttl and renew must be numbers of seconds") from None
     try:
-        return LeaseSettings(resource, ttl, renew, str(table.get("standby", "wait")))
+        settings = LeaseSettings(resource, ttl, renew, str(table.get("standby", "wait")), table.get("slots", 1),
+                                 table.get("address"))
     except ConfigurationError as exc:
         raise ConfigurationError(f"{path}: {exc}") from None
+    if settings.slots > 1:
+        _check_sharing(path, data)
+    return settings
+
+
+def _check_sharing(path: Path, data: dict) -> None:
+    """What replicas that share the work ([lease] slots > 1) cannot do yet, refused when the file is read."""
+    node, slots = data.get("node") or {}, data["lease"].get("slots")
+    longest = f"{node.get('id', '')}.s{slots - 1}"
+    if len(longest) > 31:
+        raise ConfigurationError(f"{path}: with [lease] slots = {slots} the node id is too long: its slots' ids, such "
+                                 f"as {longest!r}, must fit in 31 characters")
+    if not node.get("endpoint"):
+        raise ConfigurationError(f"{path}: [lease] slots > 1 needs [node] endpoint: the replicas share the requests "
+                                 "that reach the node's one address (a node without an endpoint runs as one process, "
+                                 "with standbys: slots = 1)")
+    if data.get("peers") or node.get("tls_cert"):
+        raise ConfigurationError(f"{path}: [lease] slots > 1 is not supported yet with [peers] (signed requests) or "
+                                 "TLS: a replica that forwards a request would have to vouch for its sender "
+                                 "(docs/operations.md, \"Replicas that share the work\"); use slots = 1 (a standby)")
+    if node.get("mode", "xa") != "xa" or any(isinstance(c, dict) and c.get("mode", "xa") != "xa"
+                                              for c in (data.get("channels") or {}).values()):
+        raise ConfigurationError(f"{path}: [lease] slots > 1 needs mode = \"xa\" everywhere")
 
 
 def _recovery_settings(path: Path, table: object) -> tuple[float | None, float]:

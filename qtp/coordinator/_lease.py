@@ -150,10 +150,10 @@ class Lease:
     renewal thread) when another process has taken the node over."""
 
     def __init__(self, node_id: str, settings: LeaseSettings, lease_resource: Any, resources: list[Any],
-                 on_lost: Callable[[str], None]):
+                 on_lost: Callable[[str], None], member: str | None = None):
         self.node_id = node_id
         self.settings = settings
-        self.member = f"{socket.gethostname()[:60]}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.member = member or process_member()
         self.on_lost = on_lost
         lock_wait = min(2.0, settings.ttl / 2)
         self.home = _Database(lease_resource, lock_wait)
@@ -374,6 +374,11 @@ class Lease:
         self.owner = False
         for db in self.databases:
             db.close()
+
+
+def process_member() -> str:
+    """This process's name in the lease tables: host, pid and a random part (pids are reused)."""
+    return f"{socket.gethostname()[:60]}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
 def lease_home(node_id: str, settings: LeaseSettings, names: list[str]) -> str:

@@ -114,6 +114,7 @@ class TransactionManager:
         self._forget_wakeup = threading.Event()
         self.lease_settings = lease
         self.lease: Lease | None = None  # taken by start_recovery(), before anything is recovered
+        self.lease_member: str | None = None  # the name the lease gives this process (None: its own)
         self._lease_lock = threading.Lock()
 
     @classmethod
@@ -122,6 +123,10 @@ class TransactionManager:
         from qtp.config import load_config
 
         config = load_config(path)
+        if config.lease is not None and config.lease.slots > 1:
+            raise ConfigurationError(f"{path}: [lease] slots = {config.lease.slots}: the node's replicas share its work "
+                                     "in slots, each with a transaction manager of its own; build the node with "
+                                     "qtp.Node.from_config (or run `qtp serve`), not TransactionManager.from_config")
         manager = cls(config.node_id, config.log_dir, timeout=config.timeout,
                       recovery_interval=config.recovery_interval, llr=config.llr, lease=config.lease)
         for name, url in config.resources.items():
@@ -339,7 +344,7 @@ class TransactionManager:
                                      "(PostgreSQL, or MariaDB without the binary log): with none, every two-phase "
                                      "commit would need the file log, which a standby on another host cannot read")
         home = self.resource(lease_home(self.node_id, settings, [r.name for r in resources]))
-        lease = Lease(self.node_id, settings, home, resources, self._lease_lost)
+        lease = Lease(self.node_id, settings, home, resources, self._lease_lost, self.lease_member)
         for resource in resources:
             resource.fence = self.fence
             # an application's transaction may stay idle as long as its timeout allows; a paused owner's

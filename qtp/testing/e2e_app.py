@@ -11,6 +11,8 @@ Environment:
 - ``QTP_TEST_THREADS=T``: T sending threads (orders k with k mod T apart); ``QTP_TEST_PAD=BYTES`` pads each
   order's XML (payload size, for benchmarks); ``QTP_TEST_RATE=R`` paces them at R orders/s in all.
 - ``QTP_TEST_FAIL=K,...``: the server's handler raises for these order numbers (dead letters / faults).
+- ``QTP_TEST_KEYS=1``: each order is sent with its number as its key (``tx.send(key=...)``), so a channel
+  with ``lanes`` spreads the orders over its lanes.
 - ``QTP_TEST_BATCH_HANDLER=1``: the server applies with a batch handler (one ``executemany`` per
   transaction) instead of one INSERT per message.
 
@@ -40,6 +42,7 @@ logging.basicConfig(level=os.environ.get("QTP_TEST_LOG", "WARNING"),
 ACTION = "urn:test:apply"
 node = qtp.Node.from_config(os.environ["QTP_TEST_CONFIG"])
 qtp.install(node.manager)
+_KEYED = os.environ.get("QTP_TEST_KEYS") == "1"
 _FAIL = {int(k) for k in os.environ.get("QTP_TEST_FAIL", "").split(",") if k.strip()}
 
 
@@ -110,7 +113,8 @@ def _send(count: int, abort_every: int, lane: int, lanes: int, padding: str, rat
                 with qtp.transaction() as tx:
                     tx.connection("app").execute(text("INSERT INTO orders (k, pid) VALUES (:k, :p)"), {"k": k, "p": os.getpid()})
                     tx.send("orders", f'<order xmlns="urn:test" k="{k}">{padding}</order>'.encode(), action=ACTION,
-                            message_id=f"urn:qtp:m:{int(time.time() * 1e6)}:order-{k}-{uuid.uuid4().hex}")
+                            message_id=f"urn:qtp:m:{int(time.time() * 1e6)}:order-{k}-{uuid.uuid4().hex}",
+                            key=str(k) if _KEYED else None)
                     if abort_every and k % abort_every == 0:
                         raise Abort()
                 break

@@ -23,3 +23,17 @@ def create_message_id(key: str) -> str:
     """The MessageID of a sequence's CreateSequence, the same on every retransmission, so the destination
     can answer a repeated request with the sequence it already made."""
     return f"urn:uuid:{uuid.UUID(hex=key)}"
+
+
+def new_identifier(tag: str = "") -> str:
+    """A sequence Identifier this node makes (its RM Destination's, or an Offer's). ``tag``: a slot of a node
+    whose replicas share the work (``<node>:s<k>``), which any replica reads back from the identifier to route
+    the sequence's messages to the replica that holds the slot (qtp.wsrm.runtime._shared)."""
+    return f"urn:qtp:{tag}:{uuid.uuid4()}" if tag else f"urn:uuid:{uuid.uuid4()}"
+
+
+SLOT_QUERY = "qtp-slot"  # AcksTo of a shared node's slot: <endpoint>?qtp-slot=<k>
+
+
+def slot_tag(node: str, slot: int) -> str:
+    return f"{node}:s{slot}"

@@ -37,7 +37,7 @@ from qtp.errors import BacklogFullError, ConfigurationError
 from qtp.wsrm.codec import check_payload
 from qtp.wsrm.runtime._endpoint import Endpoint
 from qtp.wsrm.runtime._http import HttpServer
-from qtp.wsrm.runtime._ids import new_message_id
+from qtp.wsrm.runtime._ids import SLOT_QUERY, new_message_id, slot_tag
 from qtp.wsrm.runtime._invoker import BatchHandler, Invoker, Message, _Batch
 from qtp.wsrm.runtime._mailbox import Mailbox, Poller, node_address
 from qtp.wsrm.runtime._metrics import Metrics
@@ -99,6 +99,10 @@ class Node:
                                      "persistent")
         self.manager = manager
         self.settings = settings
+        # the id peers know the node by: a slot of a shared node (qtp.wsrm.runtime._shared) has a transaction
+        # manager of its own (<node>.s<k>), and answers as the node; its replica serves HTTP for it
+        self.node_id: str = settings.node_name or manager.node_id
+        self.slot = settings.slot
         self.limits: Limits = settings.limits
         self.channels: dict[str, ChannelSettings] = dict(settings.channels)
         self.endpoint = settings.endpoint
@@ -127,9 +131,9 @@ class Node:
         self.inbound_store: Store = self.stores.inbound
         self.wake = Wake()
         self.sources, self.destinations = Sources(), Destinations()
-        self.metrics = Metrics(manager.node_id, self.destinations.open_count, lambda: self.invoker.backlog(),
+        self.metrics = Metrics(self.node_id, self.destinations.open_count, lambda: self.invoker.backlog(),
                                self.channel_stats)
-        self.transport = Transport(limits.http_timeout, pool=limits.sender_threads + 4, name=manager.node_id,
+        self.transport = Transport(limits.http_timeout, pool=limits.sender_threads + 4, name=self.node_id,
                                    security=security, max_response_bytes=limits.max_response_bytes)
         self.offers = Offers(self.inbound_store, self.sources, self.destinations, limits, security.peer_for_url,
                              self.wake, clock)
@@ -148,20 +152,28 @@ class Node:
                                  self.destinations, self.offers, self.sender, self.invoker,
                                  self.mailbox, self.ownership, self.metrics, self.transport, self.sender.submit,
                                  clock)
-        self.wsgi = Endpoint(manager.node_id, self.endpoint, limits, security, settings.listen_host(), self.metrics,
+        self.wsgi = Endpoint(self.node_id, self.endpoint, limits, security, settings.listen_host(), self.metrics,
                              self.receiver, lambda: self.started)
+        if self.slot is not None:
+            self.receiver.tag = self.sender.tag = slot_tag(self.node_id, self.slot)
+            if self.endpoint is not None:
+                self.sender.acks_endpoint = f"{self.endpoint}?{SLOT_QUERY}={self.slot}"
 
     @classmethod
     def from_config(cls, path: str | Path) -> "Node":
         """The node described by ``qtp.toml``, its transactions recovered; not started: register the handlers,
         then ``start()`` it (``qtp serve`` does, after importing the application)."""
+        from qtp.config import load_config
         from qtp.coordinator import TransactionManager
 
+        lease = load_config(path).lease
+        if lease is not None and lease.slots > 1:  # replicas that share the work: qtp.wsrm.runtime._shared
+            from qtp.wsrm.runtime._shared import SharedNode
+
+            return SharedNode(path)  # type: ignore[return-value]
         manager = TransactionManager.from_config(path)
         node = getattr(manager, "node", None)
         if node is None:
-            from qtp.config import load_config
-
             config = load_config(path)
             node = cls(manager, node_settings(config.messaging, set(config.resources)))
         return node
@@ -313,7 +325,8 @@ class Node:
         self.invoker.start()
         self._spawn(self._maintain, "qtp-maintenance")
         if self.endpoint is not None:
-            self._serve_http()
+            if self.slot is None:  # (a slot's replica serves HTTP for all its slots)
+                self._serve_http()
         else:
             poller = Poller(self.mc_address or "", self.channels, self.limits, self.transport, self.metrics,
                             self.settings.security, self.receiver.handle, self.receiver.handle_batch,

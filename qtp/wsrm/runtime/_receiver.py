@@ -72,7 +72,7 @@ from qtp.wsrm.protocol import (
 )
 from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.runtime._answers import NOTHING, Answer, fault, reply_addressing
-from qtp.wsrm.runtime._ids import enqueued_at
+from qtp.wsrm.runtime._ids import enqueued_at, new_identifier
 from qtp.wsrm.runtime._mailbox import Mailbox
 from qtp.wsrm.runtime._offers import Offers
 from qtp.wsrm.runtime._ownership import Ownership, Source
@@ -101,6 +101,7 @@ class Receiver:
                  deliveries: Deliveries, mailbox: Mailbox, ownership: Ownership, metrics: Any,
                  transport: Transport, run: Run, clock: Clock = SYSTEM_CLOCK):
         self.limits = limits
+        self.tag = ""  # a slot's tag in the identifiers it makes (qtp.wsrm.runtime._shared)
         self.security = security
         self.listen_host = listen_host or ""
         self.endpoint = endpoint
@@ -221,7 +222,7 @@ class Receiver:
         refusal = self._create_refusal(env, body, caller)
         if refusal is not None:
             return self._refused_create(env, refusal, caller)
-        identifier = f"urn:uuid:{uuid.uuid4()}"
+        identifier = new_identifier(self.tag)
         offer = body.offer
         reply_to = _address(env.addressing.reply_to)
         offer_peer = (offer.endpoint if offer is not None and offer.endpoint else None) or reply_to

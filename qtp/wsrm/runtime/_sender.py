@@ -111,7 +111,7 @@ from qtp.wsrm.protocol import (
 )
 from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.runtime._answers import read_answer
-from qtp.wsrm.runtime._ids import create_message_id
+from qtp.wsrm.runtime._ids import create_message_id, new_identifier
 from qtp.wsrm.runtime._mailbox import Mailbox
 from qtp.wsrm.runtime._offers import Offers
 from qtp.wsrm.runtime._ownership import Ownership, Source
@@ -154,6 +154,8 @@ class Sender:
         self.metrics = metrics
         self.security = security
         self.endpoint = endpoint  # where peers reach us (None: they cannot; replies fetched by polling)
+        self.tag = ""  # a slot's tag in the Offers it makes (qtp.wsrm.runtime._shared)
+        self.acks_endpoint = endpoint  # AcksTo = our endpoint: with a slot, naming it (?slot=k)
         self.mc_address = mc_address
         self.wake = wake
         self.clock = clock
@@ -277,7 +279,7 @@ class Sender:
 
     def _create(self, route: str, now: float) -> Outbound:
         channel = self.channels[channel_name(route)]
-        offer = f"urn:uuid:{uuid.uuid4()}" if channel.reply else None
+        offer = new_identifier(self.tag) if channel.reply else None
         record = SourceRecord(key=uuid.uuid4().hex, version=channel.wsrm,
                               retransmit_interval=self.limits.retransmit_interval,
                               max_interval=self.limits.retransmit_interval_max)
@@ -583,8 +585,8 @@ class Sender:
             offer = Offer(a.offer_identifier, endpoint=own if rm is RMVersion.WSRM11 else None)
         channel = self.channels.get(channel_name(seq.info.route))
         acks_to = anonymous(_WSA[seq.info.wsa])
-        if channel is not None and channel.acks_to == "endpoint" and self.endpoint:
-            acks_to = self.endpoint
+        if channel is not None and channel.acks_to == "endpoint" and self.acks_endpoint:
+            acks_to = self.acks_endpoint
         elif channel is not None and channel.acks_to == "poll" and self.mc_address:
             acks_to = self.mc_address  # fetched with MakeConnection
         batch = self.limits.max_batch if channel is None or channel.batch else None

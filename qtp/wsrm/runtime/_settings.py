@@ -191,6 +191,10 @@ class NodeSettings:
     limits: Limits = field(default_factory=Limits)
     security: Security = field(default_factory=Security)
     coupled: dict[str, Any] = field(default_factory=dict)  # [coupled]: Coupled(node)'s defaults (qtp.coupled)
+    # a slot of a node whose replicas share the work (qtp.wsrm.runtime._shared): its number and the node's id
+    # (the slot's transaction manager has an id of its own, <node>.s<k>); None: a whole node
+    slot: int | None = None
+    node_name: str | None = None
 
     def listen_host(self) -> str | None:
         if self.listen is not None:

@@ -47,6 +47,8 @@ class Stores:
         self._manager = manager
         self._channels = settings.channels
         self._stores: dict[Any, Store] = {}
+        # a slot of a shared node keeps its sequences in tables of its own (slot 0 in the node's usual ones)
+        self._prefix = "qtp_rm_" if not settings.slot else f"qtp_rm_s{settings.slot}_"
         self.inbound_resource = settings.store
         self.inbound_mode = settings.mode
         self.inbound = self.store_for(settings.store, settings.mode)
@@ -76,7 +78,7 @@ class Stores:
             if getattr(self._manager, "lease_settings", None) is not None:  # replicas: see qtp.coordinator._lease
                 self._manager.limit_idle(engine)
                 fence = self._manager.fence
-            self._stores[key] = SqlStore(resource, engine, fence)
+            self._stores[key] = SqlStore(resource, engine, fence, self._prefix)
         return self._stores[key]
 
     def for_channel(self, channel: ChannelSettings) -> Store:

@@ -48,84 +48,94 @@ _BLOB = sa.LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
 _TEXT = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
 _ID = sa.String(255)
 
-metadata = sa.MetaData()
+class Tables:
+    """The store's tables for one slot of a node (``prefix``: ``qtp_rm_`` for a node without slots, and for
+    slot 0, so that a node that takes up slots keeps its state there); the applied MessageIDs are one table for
+    every slot (``qtp_rm_applied``): a message sent again in a new sequence is recognised whichever slot takes it."""
 
-outgoing = sa.Table(
-    "qtp_rm_outgoing", metadata,
-    sa.Column("seq", sa.BigInteger().with_variant(sa.Integer, "sqlite"), sa.Identity(), primary_key=True),
-    sa.Column("route", _ID, nullable=False),
-    sa.Column("message_id", _ID, nullable=False),
-    sa.Column("action", sa.String(1024), nullable=False),
-    sa.Column("payload", _BLOB),
-    sa.Column("relates_to", _ID),
-    sa.Column("fault", _TEXT),
-    sa.Column("enqueued_at", sa.Float(53), nullable=False),
-    sa.Column("seq_key", sa.String(64)),
-    sa.Column("number", sa.BigInteger),
-    sa.Index("qtp_rm_outgoing_route", "route", "seq_key", "seq"),
-    sa.Index("qtp_rm_outgoing_number", "seq_key", "number", unique=True),  # a number names one message
-)
+    def __init__(self, prefix: str = "qtp_rm_"):
+        self.prefix = prefix
+        self.metadata = metadata = sa.MetaData()
+        self.outgoing = sa.Table(
+            prefix + "outgoing", metadata,
+            sa.Column("seq", sa.BigInteger().with_variant(sa.Integer, "sqlite"), sa.Identity(), primary_key=True),
+            sa.Column("route", _ID, nullable=False),
+            sa.Column("message_id", _ID, nullable=False),
+            sa.Column("action", sa.String(1024), nullable=False),
+            sa.Column("payload", _BLOB),
+            sa.Column("relates_to", _ID),
+            sa.Column("fault", _TEXT),
+            sa.Column("enqueued_at", sa.Float(53), nullable=False),
+            sa.Column("seq_key", sa.String(64)),
+            sa.Column("number", sa.BigInteger),
+            sa.Index(prefix + "outgoing_route", "route", "seq_key", "seq"),
+            sa.Index(prefix + "outgoing_number", "seq_key", "number", unique=True),  # a number names one message
+        )
+        self.sources = sa.Table(
+            prefix + "source", metadata,
+            sa.Column("seq_key", sa.String(64), primary_key=True),
+            sa.Column("info", _TEXT, nullable=False),
+            sa.Column("record", _TEXT, nullable=False),
+        )
+        self.destinations = sa.Table(
+            prefix + "destination", metadata,
+            sa.Column("identifier", _ID, primary_key=True),
+            sa.Column("info", _TEXT, nullable=False),
+            sa.Column("record", _TEXT, nullable=False),
+        )
+        self.received = sa.Table(  # a destination's received numbers once it has more than _INLINE ranges: a row per range
+            prefix + "received", metadata,
+            sa.Column("identifier", _ID, primary_key=True),
+            sa.Column("lower", sa.BigInteger, primary_key=True, autoincrement=False),
+            sa.Column("upper", sa.BigInteger, nullable=False),
+        )
+        self.incoming = sa.Table(
+            prefix + "incoming", metadata,
+            sa.Column("identifier", _ID, primary_key=True),
+            sa.Column("number", sa.BigInteger, primary_key=True, autoincrement=False),
+            sa.Column("message_id", _ID, nullable=False),
+            sa.Column("action", sa.String(1024), nullable=False),
+            sa.Column("payload", _BLOB),
+            sa.Column("relates_to", _ID),
+            sa.Column("fault", _TEXT),
+            sa.Column("received_at", sa.Float(53), nullable=False),
+            sa.Column("enqueued_at", sa.Float(53)),
+            sa.Column("attempts", sa.Integer, nullable=False, default=0),
+            sa.Column("not_before", sa.Float(53), nullable=False, default=0.0),
+            sa.Column("last_error", _TEXT),
+        )
+        self.invokers = sa.Table(
+            prefix + "invoker", metadata,
+            sa.Column("identifier", _ID, primary_key=True),
+            sa.Column("record", _TEXT, nullable=False),
+        )
+        self.dead_letters = sa.Table(
+            prefix + "dead_letter", metadata,
+            sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), sa.Identity(), primary_key=True),
+            sa.Column("identifier", _ID, nullable=False),
+            sa.Column("number", sa.BigInteger, nullable=False),
+            sa.Column("message", _TEXT, nullable=False),
+            sa.Column("payload", _BLOB),
+            sa.Column("error", _TEXT, nullable=False),
+            sa.Column("failed_at", sa.Float(53), nullable=False),
+        )
+        self.applied = sa.Table(
+            "qtp_rm_applied", metadata,
+            sa.Column("message_id", _ID, primary_key=True),
+            sa.Column("applied_at", sa.Float(53), nullable=False),
+            sa.Index("qtp_rm_applied_at", "applied_at"),
+        )
 
-sources = sa.Table(
-    "qtp_rm_source", metadata,
-    sa.Column("seq_key", sa.String(64), primary_key=True),
-    sa.Column("info", _TEXT, nullable=False),
-    sa.Column("record", _TEXT, nullable=False),
-)
 
-destinations = sa.Table(
-    "qtp_rm_destination", metadata,
-    sa.Column("identifier", _ID, primary_key=True),
-    sa.Column("info", _TEXT, nullable=False),
-    sa.Column("record", _TEXT, nullable=False),
-)
+_TABLES: dict[str, Tables] = {}
 
-received = sa.Table(  # a destination's received numbers once it has more than _INLINE ranges: a row per range
-    "qtp_rm_received", metadata,
-    sa.Column("identifier", _ID, primary_key=True),
-    sa.Column("lower", sa.BigInteger, primary_key=True, autoincrement=False),
-    sa.Column("upper", sa.BigInteger, nullable=False),
-)
 
-incoming = sa.Table(
-    "qtp_rm_incoming", metadata,
-    sa.Column("identifier", _ID, primary_key=True),
-    sa.Column("number", sa.BigInteger, primary_key=True, autoincrement=False),
-    sa.Column("message_id", _ID, nullable=False),
-    sa.Column("action", sa.String(1024), nullable=False),
-    sa.Column("payload", _BLOB),
-    sa.Column("relates_to", _ID),
-    sa.Column("fault", _TEXT),
-    sa.Column("received_at", sa.Float(53), nullable=False),
-    sa.Column("enqueued_at", sa.Float(53)),
-    sa.Column("attempts", sa.Integer, nullable=False, default=0),
-    sa.Column("not_before", sa.Float(53), nullable=False, default=0.0),
-    sa.Column("last_error", _TEXT),
-)
+def tables(prefix: str = "qtp_rm_") -> Tables:
+    """The (cached) table set of ``prefix``."""
+    if prefix not in _TABLES:
+        _TABLES[prefix] = Tables(prefix)
+    return _TABLES[prefix]
 
-invokers = sa.Table(
-    "qtp_rm_invoker", metadata,
-    sa.Column("identifier", _ID, primary_key=True),
-    sa.Column("record", _TEXT, nullable=False),
-)
-
-dead_letters = sa.Table(
-    "qtp_rm_dead_letter", metadata,
-    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), sa.Identity(), primary_key=True),
-    sa.Column("identifier", _ID, nullable=False),
-    sa.Column("number", sa.BigInteger, nullable=False),
-    sa.Column("message", _TEXT, nullable=False),
-    sa.Column("payload", _BLOB),
-    sa.Column("error", _TEXT, nullable=False),
-    sa.Column("failed_at", sa.Float(53), nullable=False),
-)
-
-applied = sa.Table(
-    "qtp_rm_applied", metadata,
-    sa.Column("message_id", _ID, primary_key=True),
-    sa.Column("applied_at", sa.Float(53), nullable=False),
-    sa.Index("qtp_rm_applied_at", "applied_at"),
-)
 
 _INLINE = 16  # up to this many received ranges travel in the record's JSON (no extra statement per commit)
 
@@ -149,7 +159,7 @@ def _outgoing(row: Any) -> Outgoing:
                     key=m["seq_key"], number=m["number"])
 
 
-def _numbers_in(ranges: AckRanges) -> sa.ColumnElement[bool]:
+def _numbers_in(outgoing: sa.Table, ranges: AckRanges) -> sa.ColumnElement[bool]:
     return sa.or_(*(outgoing.c.number.between(lower, upper) for lower, upper in ranges))
 
 
@@ -158,9 +168,11 @@ class SqlStore(Store):
 
     durable = True
 
-    def __init__(self, resource: str, engine: Engine, fence: Callable[[Any, str], None] | None = None):
+    def __init__(self, resource: str, engine: Engine, fence: Callable[[Any, str], None] | None = None,
+                 prefix: str = "qtp_rm_"):
         self.name = resource
         self.engine = engine
+        self.t = tables(prefix)  # a slot of a node whose replicas share the work has tables of its own
         # a node run as replicas ([lease]): fence(dbapi_connection, family) before every commit
         self.fence = fence
         self._family = "postgresql" if engine.dialect.name == "postgresql" else "mysql"
@@ -177,7 +189,7 @@ class SqlStore(Store):
                     raise ConfigurationError(
                         f"store {self.name!r}: its engine autocommits, so its transactions would not be atomic; "
                         "give the store an engine of its own (sqlalchemy.create_engine(url))")
-        metadata.create_all(self.engine)
+        self.t.metadata.create_all(self.engine)
 
     @contextlib.contextmanager
     def local(self) -> Iterator[Connection]:
@@ -189,62 +201,62 @@ class SqlStore(Store):
     # ------------------------------------------------------------------ RM Source side
 
     def enqueue(self, s: Connection, message: Outgoing) -> None:
-        s.execute(outgoing.insert(), {
+        s.execute(self.t.outgoing.insert(), {
             "route": message.route, "message_id": message.message_id, "action": message.action,
             "payload": message.payload, "relates_to": message.relates_to, "fault": message.fault,
             "enqueued_at": message.enqueued_at,
         })
 
     def unnumbered(self, s: Connection, route: str, limit: int) -> list[Outgoing]:
-        query = (outgoing.select().where(outgoing.c.route == route, outgoing.c.seq_key.is_(None))
-                 .order_by(outgoing.c.seq).limit(limit))
+        query = (self.t.outgoing.select().where(self.t.outgoing.c.route == route, self.t.outgoing.c.seq_key.is_(None))
+                 .order_by(self.t.outgoing.c.seq).limit(limit))
         return [_outgoing(row) for row in s.execute(query)]
 
     def assign(self, s: Connection, key: str, numbered: list[tuple[int, int]]) -> None:
         """One UPDATE for the whole batch (a CASE maps each row to its number)."""
         if numbered:
             numbers = dict(numbered)
-            s.execute(outgoing.update().where(outgoing.c.seq.in_(list(numbers)))
-                      .values(seq_key=key, number=sa.case(numbers, value=outgoing.c.seq)))
+            s.execute(self.t.outgoing.update().where(self.t.outgoing.c.seq.in_(list(numbers)))
+                      .values(seq_key=key, number=sa.case(numbers, value=self.t.outgoing.c.seq)))
 
     def numbered(self, s: Connection, key: str, numbers: list[int] | None = None) -> list[Outgoing]:
-        query = outgoing.select().where(outgoing.c.seq_key == key)
+        query = self.t.outgoing.select().where(self.t.outgoing.c.seq_key == key)
         if numbers is not None:
-            query = query.where(outgoing.c.number.in_(numbers))
-        return [_outgoing(row) for row in s.execute(query.order_by(outgoing.c.number))]
+            query = query.where(self.t.outgoing.c.number.in_(numbers))
+        return [_outgoing(row) for row in s.execute(query.order_by(self.t.outgoing.c.number))]
 
     def release(self, s: Connection, key: str, ranges: AckRanges) -> int:
         if not ranges:
             return 0
-        return s.execute(outgoing.update().where(outgoing.c.seq_key == key, _numbers_in(ranges))
+        return s.execute(self.t.outgoing.update().where(self.t.outgoing.c.seq_key == key, _numbers_in(self.t.outgoing, ranges))
                          .values(seq_key=None, number=None)).rowcount
 
     def acknowledged(self, s: Connection, key: str, ranges: AckRanges) -> int:
         if not ranges:
             return 0
-        return s.execute(outgoing.delete().where(outgoing.c.seq_key == key, _numbers_in(ranges))).rowcount
+        return s.execute(self.t.outgoing.delete().where(self.t.outgoing.c.seq_key == key, _numbers_in(self.t.outgoing, ranges))).rowcount
 
     def backlog(self, s: Connection, route: str | None = None) -> int:
-        query = sa.select(sa.func.count()).select_from(outgoing)
+        query = sa.select(sa.func.count()).select_from(self.t.outgoing)
         if route is not None:
-            query = query.where(outgoing.c.route == route)
+            query = query.where(self.t.outgoing.c.route == route)
         return int(s.execute(query).scalar_one())
 
     def save_source(self, s: Connection, info: SourceInfo, record: SourceRecord) -> None:
         record = dataclasses.replace(record, pending=())  # rebuilt from the numbered rows (contract)
-        self._upsert(s, sources, {"seq_key": record.key},
+        self._upsert(s, self.t.sources, {"seq_key": record.key},
                      {"info": _dump(_fields(info)), "record": _dump(to_row(record))})
 
     def create_source(self, s: Connection, info: SourceInfo, record: SourceRecord) -> None:
         record = dataclasses.replace(record, pending=())
-        s.execute(sources.insert().values(seq_key=record.key, info=_dump(_fields(info)), record=_dump(to_row(record))))
+        s.execute(self.t.sources.insert().values(seq_key=record.key, info=_dump(_fields(info)), record=_dump(to_row(record))))
 
     def sources(self, s: Connection) -> list[tuple[SourceInfo, SourceRecord]]:
-        return _with_info(s, sources, SourceInfo, SourceRecord)
+        return _with_info(s, self.t.sources, SourceInfo, SourceRecord)
 
     def drop_source(self, s: Connection, key: str) -> None:
-        s.execute(outgoing.delete().where(outgoing.c.seq_key == key))
-        s.execute(sources.delete().where(sources.c.seq_key == key))
+        s.execute(self.t.outgoing.delete().where(self.t.outgoing.c.seq_key == key))
+        s.execute(self.t.sources.delete().where(self.t.sources.c.seq_key == key))
 
     # ------------------------------------------------------------------ RM Destination side
 
@@ -255,28 +267,28 @@ class SqlStore(Store):
         differ from ``before`` (the committed record, when the caller knows it) are written: a message that
         opens or closes a gap costs a row or two, however many gaps the sequence has."""
         inline, rows = _split(record.received)
-        self._upsert(s, destinations, {"identifier": record.identifier},
+        self._upsert(s, self.t.destinations, {"identifier": record.identifier},
                      {"info": _dump(_fields(info)), "record": _dump(to_row(dataclasses.replace(record, received=inline)))})
-        key = received.c.identifier == record.identifier
+        key = self.t.received.c.identifier == record.identifier
         if before is None:
-            s.execute(received.delete().where(key))
+            s.execute(self.t.received.delete().where(key))
             old: set[tuple[int, int]] = set()
         else:
             old = set(_split(before.received)[1])
         new = set(rows)
         gone = [lower for lower, _ in old - new]
         if gone:
-            s.execute(received.delete().where(key, received.c.lower.in_(gone)))
+            s.execute(self.t.received.delete().where(key, self.t.received.c.lower.in_(gone)))
         added = new - old
         if added:
-            s.execute(received.insert(), [{"identifier": record.identifier, "lower": lower, "upper": upper}
+            s.execute(self.t.received.insert(), [{"identifier": record.identifier, "lower": lower, "upper": upper}
                                           for lower, upper in sorted(added)])
 
     def create_destination(self, s: Connection, info: DestinationInfo, record: DestinationRecord) -> None:
         """A plain INSERT: the upsert's UPDATE of a missing row takes a gap lock in InnoDB, and two
         CreateSequence committing at once then deadlocked (one got 503)."""
         assert len(record.received) <= _INLINE, "a new sequence has received nothing"
-        s.execute(destinations.insert().values(identifier=record.identifier, info=_dump(_fields(info)),
+        s.execute(self.t.destinations.insert().values(identifier=record.identifier, info=_dump(_fields(info)),
                                                record=_dump(to_row(record))))
 
     def destinations(self, s: Connection) -> list[tuple[DestinationInfo, DestinationRecord]]:
@@ -284,11 +296,11 @@ class SqlStore(Store):
         ``_INLINE`` ranges (written before ranges had rows) has them moved to rows here, so that a later
         save that writes only the difference starts from what the rows hold."""
         rows: dict[str, list[tuple[int, int]]] = {}
-        for identifier, lower, upper in s.execute(sa.select(received.c.identifier, received.c.lower, received.c.upper)
-                                                  .order_by(received.c.identifier, received.c.lower)):
+        for identifier, lower, upper in s.execute(sa.select(self.t.received.c.identifier, self.t.received.c.lower, self.t.received.c.upper)
+                                                  .order_by(self.t.received.c.identifier, self.t.received.c.lower)):
             rows.setdefault(identifier, []).append((lower, upper))
         result = []
-        for info, record in _with_info(s, destinations, DestinationInfo, DestinationRecord):
+        for info, record in _with_info(s, self.t.destinations, DestinationInfo, DestinationRecord):
             whole = ranges.union(record.received, rows.get(record.identifier, ()))
             record = dataclasses.replace(record, received=whole)
             if len(whole) > _INLINE and record.identifier not in rows:
@@ -297,15 +309,16 @@ class SqlStore(Store):
         return result
 
     def drop_destination(self, s: Connection, identifier: str) -> None:
-        for table in (incoming, invokers, received, destinations):
+        t = self.t
+        for table in (t.incoming, t.invokers, t.received, t.destinations):
             s.execute(table.delete().where(table.c.identifier == identifier))
 
     def store_incoming(self, s: Connection, message: Incoming) -> bool:
-        exists = s.execute(sa.select(incoming.c.number).where(
-            incoming.c.identifier == message.identifier, incoming.c.number == message.number)).first()
+        exists = s.execute(sa.select(self.t.incoming.c.number).where(
+            self.t.incoming.c.identifier == message.identifier, self.t.incoming.c.number == message.number)).first()
         if exists is not None:
             return False
-        s.execute(incoming.insert(), {f: getattr(message, f) for f in _INCOMING_FIELDS})
+        s.execute(self.t.incoming.insert(), {f: getattr(message, f) for f in _INCOMING_FIELDS})
         return True
 
     def store_incoming_many(self, s: Connection, messages: list[Incoming]) -> None:
@@ -313,9 +326,9 @@ class SqlStore(Store):
         if not messages:
             return
         if s.dialect.name == "postgresql":
-            statement: Any = postgresql.insert(incoming).on_conflict_do_nothing()
+            statement: Any = postgresql.insert(self.t.incoming).on_conflict_do_nothing()
         elif s.dialect.name in ("mysql", "mariadb"):
-            statement = mysql.insert(incoming)
+            statement = mysql.insert(self.t.incoming)
             statement = statement.on_duplicate_key_update(identifier=statement.inserted.identifier)
         else:
             for message in messages:
@@ -325,62 +338,62 @@ class SqlStore(Store):
 
     def incoming(self, s: Connection, identifier: str | None = None, number: int | None = None,
                  start: int | None = None, limit: int | None = None) -> list[Incoming]:
-        query = incoming.select().order_by(incoming.c.identifier, incoming.c.number)
+        query = self.t.incoming.select().order_by(self.t.incoming.c.identifier, self.t.incoming.c.number)
         if identifier is not None:
-            query = query.where(incoming.c.identifier == identifier)
+            query = query.where(self.t.incoming.c.identifier == identifier)
         if number is not None:
-            query = query.where(incoming.c.number == number)
+            query = query.where(self.t.incoming.c.number == number)
         if start is not None:
-            query = query.where(incoming.c.number >= start)
+            query = query.where(self.t.incoming.c.number >= start)
         if limit is not None:
             query = query.limit(limit)
         return [_incoming(row) for row in s.execute(query)]
 
     def consume(self, s: Connection, identifier: str, number: int) -> bool:
-        result = s.execute(incoming.delete().where(incoming.c.identifier == identifier,
-                                                   incoming.c.number == number))
+        result = s.execute(self.t.incoming.delete().where(self.t.incoming.c.identifier == identifier,
+                                                   self.t.incoming.c.number == number))
         return result.rowcount == 1
 
     def applied_before(self, s: Connection, message_ids: list[str]) -> set[str]:
         if not message_ids:
             return set()
-        query = sa.select(applied.c.message_id).where(applied.c.message_id.in_(message_ids))
+        query = sa.select(self.t.applied.c.message_id).where(self.t.applied.c.message_id.in_(message_ids))
         return {row[0] for row in s.execute(query)}
 
     def remember_applied(self, s: Connection, message_ids: list[str], now: float) -> None:
         """A plain INSERT: a MessageID remembered already violates the primary key and fails the apply."""
         if message_ids:
-            s.execute(applied.insert(), [{"message_id": m, "applied_at": now} for m in message_ids])
+            s.execute(self.t.applied.insert(), [{"message_id": m, "applied_at": now} for m in message_ids])
 
     def forget_applied(self, s: Connection, before: float, limit: int) -> int:
-        old = sa.select(applied.c.message_id).where(applied.c.applied_at < before).limit(limit)
+        old = sa.select(self.t.applied.c.message_id).where(self.t.applied.c.applied_at < before).limit(limit)
         ids = [row[0] for row in s.execute(old)]
         if not ids:
             return 0
-        return s.execute(applied.delete().where(applied.c.message_id.in_(ids))).rowcount
+        return s.execute(self.t.applied.delete().where(self.t.applied.c.message_id.in_(ids))).rowcount
 
     def consume_many(self, s: Connection, identifier: str, numbers: list[int]) -> int:
         if not numbers:
             return 0
-        return s.execute(incoming.delete().where(incoming.c.identifier == identifier,
-                                                 incoming.c.number.in_(numbers))).rowcount
+        return s.execute(self.t.incoming.delete().where(self.t.incoming.c.identifier == identifier,
+                                                 self.t.incoming.c.number.in_(numbers))).rowcount
 
     def note_failure(self, s: Connection, identifier: str, number: int, error: str, not_before: float) -> None:
-        s.execute(incoming.update().where(incoming.c.identifier == identifier, incoming.c.number == number)
-                  .values(attempts=incoming.c.attempts + 1, not_before=not_before, last_error=error[:4000]))
+        s.execute(self.t.incoming.update().where(self.t.incoming.c.identifier == identifier, self.t.incoming.c.number == number)
+                  .values(attempts=self.t.incoming.c.attempts + 1, not_before=not_before, last_error=error[:4000]))
 
     def save_invoker(self, s: Connection, record: InvokerRecord) -> None:
-        self._upsert(s, invokers, {"identifier": record.identifier}, {"record": _dump(to_row(record))})
+        self._upsert(s, self.t.invokers, {"identifier": record.identifier}, {"record": _dump(to_row(record))})
 
     def invokers(self, s: Connection) -> list[InvokerRecord]:
         return [from_row(InvokerRecord, json.loads(row.record))
-                for row in s.execute(invokers.select().order_by(invokers.c.identifier))]
+                for row in s.execute(self.t.invokers.select().order_by(self.t.invokers.c.identifier))]
 
     def summary(self, s: Connection) -> Summary:
-        out = s.execute(sa.select(outgoing.c.route, outgoing.c.seq_key, sa.func.count(), sa.func.min(outgoing.c.enqueued_at))
-                        .group_by(outgoing.c.route, outgoing.c.seq_key))
-        inc = s.execute(sa.select(incoming.c.identifier, sa.func.count()).group_by(incoming.c.identifier))
-        dead = s.execute(sa.select(sa.func.count()).select_from(dead_letters)).scalar_one()
+        out = s.execute(sa.select(self.t.outgoing.c.route, self.t.outgoing.c.seq_key, sa.func.count(), sa.func.min(self.t.outgoing.c.enqueued_at))
+                        .group_by(self.t.outgoing.c.route, self.t.outgoing.c.seq_key))
+        inc = s.execute(sa.select(self.t.incoming.c.identifier, sa.func.count()).group_by(self.t.incoming.c.identifier))
+        dead = s.execute(sa.select(sa.func.count()).select_from(self.t.dead_letters)).scalar_one()
         return Summary({(r, k): (int(n), float(t)) for r, k, n, t in out}, {i: int(n) for i, n in inc}, int(dead))
 
     # ------------------------------------------------------------------ dead letters
@@ -389,25 +402,25 @@ class SqlStore(Store):
         self.consume(s, message.identifier, message.number)
         described = {f: getattr(message, f) for f in _INCOMING_FIELDS if f != "payload"}
         described["peer"] = peer  # in the JSON description: tables made before the peer was kept still fit
-        s.execute(dead_letters.insert(), {"identifier": message.identifier, "number": message.number,
+        s.execute(self.t.dead_letters.insert(), {"identifier": message.identifier, "number": message.number,
                                           "message": _dump(described), "payload": message.payload,
                                           "error": error[:4000], "failed_at": now})
 
     def dead_letters(self, s: Connection) -> list[DeadLetter]:
-        return [self._letter(row) for row in s.execute(dead_letters.select().order_by(dead_letters.c.id))]
+        return [self._letter(row) for row in s.execute(self.t.dead_letters.select().order_by(self.t.dead_letters.c.id))]
 
     def dead_letters_per_peer(self, s: Connection) -> dict[str | None, int]:
         counts: dict[str | None, int] = {}
-        for (described,) in s.execute(sa.select(dead_letters.c.message)):
+        for (described,) in s.execute(sa.select(self.t.dead_letters.c.message)):
             peer = json.loads(described).get("peer")
             counts[peer] = counts.get(peer, 0) + 1
         return counts
 
     def take_dead_letter(self, s: Connection, letter_id: int) -> DeadLetter | None:
-        row = s.execute(dead_letters.select().where(dead_letters.c.id == letter_id)).first()
+        row = s.execute(self.t.dead_letters.select().where(self.t.dead_letters.c.id == letter_id)).first()
         if row is None:
             return None
-        s.execute(dead_letters.delete().where(dead_letters.c.id == letter_id))
+        s.execute(self.t.dead_letters.delete().where(self.t.dead_letters.c.id == letter_id))
         return self._letter(row)
 
     @staticmethod

@@ -1,0 +1,480 @@
+"""Replicas that share the work: a node's sequences in ``[lease] slots``, each slot held by one live process.
+
+With ``[lease] slots = N`` (N > 1) a node's work is cut into N *slots*. A slot is a whole qtp node inside the
+node: a transaction manager of its own (id ``<node>.s<k>``, so its global transactions, its Logging Last
+Resource rows and its in-doubt branches are its own), its own lease and fence (qtp.coordinator._lease, keyed
+by that id), its own store tables (``qtp_rm_s<k>_*``; slot 0 keeps the node's usual ``qtp_rm_*``), its own
+sender, receiver and invoker. Everything the lease proves for a node it proves for a slot: one live holder,
+fenced commits, recovery of a dead holder's in-doubt transactions before the slot works again. The applied
+MessageIDs (``qtp_rm_applied``) are one table for all slots, so a message sent again in a new sequence is
+recognised whichever slot receives it.
+
+Every process of the node (a *replica*) runs a ``SharedNode``: it serves HTTP on its own ``listen`` address
+(behind the node's one endpoint: a balancer), heartbeats a row in ``qtp_node_replica`` (with the address the
+others reach it at), and holds a fair share of the slots, ``ceil(N / live replicas)``: it takes free ones
+(never held, released, or whose holder's lease expired: that is the takeover), and hands one back when it
+holds more than its share (a replica joined), by closing that slot cleanly, so the other takes it at once.
+
+**Routing.** Any replica takes any request, and passes it to the slot it belongs to:
+
+- a sequence this node made names its slot: identifiers are ``urn:qtp:<node>:s<k>:<uuid>`` (the
+  destination's, and the Offers' for replies), and an AcksTo of this node says ``?qtp-slot=k``;
+- a CreateSequence goes to the slot its MessageID hashes to, so a retransmitted one reaches the slot that
+  made the sequence, and a channel's lanes (one sequence each) spread over the slots;
+- a MakeConnection poll without an identifier of ours goes to the slots in turn (each keeps its own replies);
+- anything else (a sequence made before the node had slots) to slot 0.
+
+A request for a slot this process holds goes to that slot's endpoint; for a slot another replica holds it is
+forwarded there (``X-Qtp-Forwarded``: never forwarded twice) and the answer relayed; for a slot nobody holds
+now (a takeover under way) it is answered 503, and the peer sends it again. Forwarding waits for at most
+half of the HTTP threads, so two replicas forwarding to each other cannot fill each other's pools.
+
+A sequence is worked by one slot, and a slot by one process at a time: per-sequence order and exactly-once
+are the slot's, as for a whole node. What a slot's replica sends for the application (``tx.send`` in a
+transaction begun on this replica) goes out in that replica's lowest slot, so one process's messages keep
+their order per key; messages sent by two replicas travel in different sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import re
+import threading
+import time
+import zlib
+from dataclasses import replace
+from io import BytesIO
+from pathlib import Path
+from typing import Any, Callable, Iterable
+from urllib.parse import parse_qs, urlsplit
+
+import requests
+import sqlalchemy
+
+from qtp.config import load_config
+from qtp.errors import ConfigurationError, QtpError
+from qtp.xa import normalize_url
+from qtp.wsrm.runtime._http import HttpServer
+from qtp.wsrm.runtime._ids import SLOT_QUERY
+from qtp.wsrm.runtime._node import Node, _listen_address
+from qtp.wsrm.runtime._settings import node_settings
+
+log = logging.getLogger("qtp.wsrm.shared")
+
+REPLICA_TABLE = "qtp_node_replica"
+REPLICA_DDL = (f"CREATE TABLE IF NOT EXISTS {REPLICA_TABLE} (node_id varchar(31) NOT NULL, member varchar(120) "
+               "NOT NULL, address varchar(400) NOT NULL, seen_at double precision NOT NULL, expires_at double "
+               "precision NOT NULL, PRIMARY KEY (node_id, member))")
+FORWARDED = "X-Qtp-Forwarded"  # set on a request one replica passes to another
+SLOT_HEADER = "X-Qtp-Slot"
+_PASSED = ("content-type", "accept", "soapaction")  # request headers a forwarded request keeps
+_RELAYED = ("content-type", "x-qtp-boot")  # answer headers relayed back
+_MESSAGE_ID = re.compile(rb"MessageID[^>]*>\s*([^<\s]+)\s*<")
+
+
+def slot_id(node_id: str, slot: int) -> str:
+    """The id of slot ``slot`` of node ``node_id``: its transaction manager's, its lease's and its fence's."""
+    return f"{node_id}.s{slot}"
+
+
+class _Registration:
+    """A handler the application registered: given to every slot this process starts."""
+
+    def __init__(self, kind: str, key: str, on_receipt: bool, fn: Callable[..., Any]):
+        self.kind, self.key, self.on_receipt, self.fn = kind, key, on_receipt, fn
+
+    def apply(self, node: Node) -> None:
+        if self.kind == "handler":
+            node.handler(self.key, self.on_receipt)(self.fn)
+        elif self.kind == "batch":
+            node.batch_handler(self.key, self.on_receipt)(self.fn)
+        else:
+            node.reply_handler(self.key)(self.fn)
+
+
+class _Named:
+    """A resource as the application sees it before this process holds a slot: its name and URL."""
+
+    def __init__(self, name: str, url: str):
+        self.name, self.url = name, url
+
+
+class Managers:
+    """``shared.manager``: what an application does with a node's transaction manager, on this process's
+    slots: ``transaction()`` begins in the lowest slot held (QtpError while it holds none)."""
+
+    def __init__(self, shared: "SharedNode"):
+        self._shared = shared
+        self.node_id = shared.node_id
+        self.log_dir = shared.config.log_dir / shared.node_id
+        self.lease = None  # a slot's lease is its own: losing one does not end the process
+        self.node = shared
+
+    def _slot(self) -> Node:
+        node = self._shared.first_slot()
+        if node is None:
+            raise QtpError(f"node {self.node_id!r}: this process holds none of its {self._shared.slot_count} slots now "
+                           "(they are held by other replicas, or being taken over): try again shortly")
+        return node
+
+    def transaction(self, timeout: float | None = None) -> contextlib.AbstractContextManager[Any]:
+        return self._slot().manager.transaction(timeout)
+
+    def current(self) -> Any:
+        for node in self._shared.held():
+            tx = node.manager.current()
+            if tx is not None:
+                return tx
+        return None
+
+    def resource(self, name: str) -> Any:
+        node = self._shared.first_slot()
+        if node is not None:
+            return node.manager.resource(name)
+        if name not in self._shared.config.resources:
+            raise ConfigurationError(f"unknown resource {name!r} on node {self.node_id!r}")
+        return _Named(name, self._shared.config.resources[name])
+
+    def close(self, drain_s: float | None = None) -> None:
+        self._shared.close()
+
+
+class SharedNode:
+    """One replica of a node whose replicas share the work (see the module docstring). Built by
+    ``qtp.Node.from_config`` when ``[lease] slots`` is above 1: register the handlers, then ``start()``."""
+
+    def __init__(self, path: str | Path):
+        config = load_config(path)
+        lease = config.lease
+        if lease is None or lease.slots < 2:
+            raise ConfigurationError(f"{path}: a shared node needs [lease] slots = 2 or more")
+        self.config = config
+        self.lease_settings = lease
+        self.node_id = config.node_id
+        self.slot_count = lease.slots
+        self.settings = node_settings(config.messaging, set(config.resources))
+        self.channels = self.settings.channels
+        self.endpoint = self.settings.endpoint
+        self.limits = self.settings.limits
+        self.mc_address = None
+        assert self.endpoint is not None  # (the configuration refuses slots without an endpoint)
+        self._path = urlsplit(self.endpoint).path or "/"
+        host, port = self.settings.listen or _listen_address(self.endpoint)
+        self._listen = (host, port)
+        self.address = lease.address or f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}{self._path}"
+        from qtp.coordinator._lease import lease_home, process_member
+
+        self.member = process_member()
+        home = lease_home(self.node_id, lease, list(config.resources))
+        self._home = sqlalchemy.create_engine(normalize_url(config.resources[home]), pool_size=2, max_overflow=2, pool_pre_ping=True)
+        self._family = "postgresql" if self._home.dialect.name == "postgresql" else "mysql"
+        self._registrations: list[_Registration] = []
+        self.handlers: dict[str, Any] = {}  # by action, as Node.handlers (what `qtp serve` counts)
+        self._slots: dict[int, Node] = {}
+        self._held_since: dict[int, float] = {}
+        self._slots_lock = threading.Lock()
+        self._holders: dict[int, str] = {}  # slot -> the address of the replica holding it (from the last look)
+        self._live = 1
+        self.started = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._server: HttpServer | None = None
+        self._forwarding = threading.BoundedSemaphore(max(1, self.limits.http_threads // 2))
+        self._http = requests.Session()
+        self._http.mount("http://", requests.adapters.HTTPAdapter(pool_connections=4,
+                                                                  pool_maxsize=self.limits.http_threads))
+        self._polls = itertools.count()
+        self._tag = re.compile(rb"urn:qtp:" + re.escape(self.node_id.encode()) + rb":s(\d+):")
+        self.manager = Managers(self)
+        self.poll_s = max(0.05, min(1.0, lease.ttl / 10))
+
+    def __repr__(self) -> str:
+        return f"<SharedNode {self.node_id} slots {sorted(self._slots)} of {self.slot_count} at {self.address}>"
+
+    # ------------------------------------------------------------------ application API (as Node's)
+
+    def handler(self, action: str, on_receipt: bool = True) -> Callable[[Any], Any]:
+        return self._register("handler", action, on_receipt)
+
+    def batch_handler(self, action: str, on_receipt: bool = True) -> Callable[[Any], Any]:
+        return self._register("batch", action, on_receipt)
+
+    def reply_handler(self, channel: str) -> Callable[[Any], Any]:
+        if channel not in self.channels or not self.channels[channel].reply:
+            raise ConfigurationError(f"channel {channel!r} is not a request-reply channel (reply = true)")
+        return self._register("reply", channel, True)
+
+    def _register(self, kind: str, key: str, on_receipt: bool) -> Callable[[Any], Any]:
+        def register(fn: Any) -> Any:
+            if self.started:
+                raise ConfigurationError(f"a handler for {key!r} is registered after node {self.node_id!r} "
+                                         "started: register every handler first")
+            if kind != "reply":
+                if key in self.handlers:
+                    raise ConfigurationError(f"a handler for action {key!r} is already registered")
+                self.handlers[key] = fn
+            self._registrations.append(_Registration(kind, key, on_receipt, fn))
+            return fn
+        return register
+
+    # ------------------------------------------------------------------ the slots this process holds
+
+    def held(self) -> list[Node]:
+        with self._slots_lock:
+            return [self._slots[k] for k in sorted(self._slots)]
+
+    def first_slot(self) -> Node | None:
+        for node in self.held():
+            lease = node.manager.lease
+            if node.started and lease is not None and lease.valid():
+                return node
+        return None
+
+    def slots(self) -> list[int]:
+        with self._slots_lock:
+            return sorted(self._slots)
+
+    # ------------------------------------------------------------------ running
+
+    def start(self) -> "SharedNode":
+        """Serve HTTP, take this process's share of the slots (at least one pass before returning), and keep
+        the share right in a thread of its own until ``close()``."""
+        if self.started:
+            return self
+        with self._home.begin() as conn:
+            conn.exec_driver_sql(REPLICA_DDL)
+        from qtp.coordinator._lease import DDL
+
+        with self._home.begin() as conn:
+            for ddl in DDL:
+                conn.exec_driver_sql(ddl)
+        self.started = True
+        host, port = self._listen
+        self._server = HttpServer(self, host, port, self.limits, health=lambda: self.started)
+        self._server.start()
+        try:
+            self._balance_once()
+        except (sqlalchemy.exc.SQLAlchemyError, QtpError) as exc:
+            log.warning("node %s: slots not taken yet (%s); trying again", self.node_id, _first_line(exc))
+        self._thread = threading.Thread(target=self._balance_loop, name="qtp-slots", daemon=True)
+        self._thread.start()
+        log.info("node %s: replica %s serving at %s (slots %s of %d)", self.node_id, self.member, self.address,
+                 self.slots(), self.slot_count)
+        return self
+
+    def close(self) -> None:
+        """Hand every slot back (each released cleanly: another replica takes it at once), stop serving."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        for k in self.slots():
+            self._release(k, "this process is stopping")
+        try:
+            with self._home.begin() as conn:
+                conn.exec_driver_sql(f"DELETE FROM {REPLICA_TABLE} WHERE node_id = %s AND member = %s",
+                                     (self.node_id, self.member))
+        except sqlalchemy.exc.SQLAlchemyError as exc:
+            log.warning("node %s: replica row not removed (%s): it expires", self.node_id, _first_line(exc))
+        if self._server is not None:
+            self._server.stop()
+        self.started = False
+        self._http.close()
+        self._home.dispose()
+
+    stop = close
+
+    def __enter__(self) -> "SharedNode":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _balance_loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._balance_once()
+            except (sqlalchemy.exc.SQLAlchemyError, QtpError) as exc:
+                log.warning("node %s: slots not balanced (%s); trying again", self.node_id, _first_line(exc))
+            except Exception:  # a bug: keep the replica running, say what
+                log.exception("node %s: balancing the slots failed", self.node_id)
+
+    def _balance_once(self) -> None:
+        """One look at the replicas and the slots' leases: drop lost slots, take a free one while below the fair
+        share, hand one back while above it."""
+        for k in self.slots():
+            node = self._slots[k]
+            lease = node.manager.lease
+            if lease is None or lease.lost.is_set():
+                self._release(k, f"its lease was lost ({lease.lost_reason if lease else 'never taken'})")
+        live, holders = self._look()
+        self._live = len(live)
+        self._holders = {k: live[m] for k, m in holders.items() if m in live}
+        fair = math.ceil(self.slot_count / max(1, len(live)))
+        mine = self.slots()
+        if len(mine) < fair:
+            for k in range(self.slot_count):
+                if k not in mine and k not in self._holders:
+                    self._take(k)
+                    break
+        elif len(mine) > fair:
+            counts = {m: 0 for m in live}
+            for m in holders.values():
+                if m in counts:
+                    counts[m] += 1
+            settled = [k for k in mine if time.monotonic() - self._held_since.get(k, 0.0) > 2 * self.lease_settings.ttl]
+            if settled and any(n < fair for m, n in counts.items() if m != self.member):
+                self._release(settled[-1], f"this process holds {len(mine)} slots, more than its share of {fair}")
+
+    def _look(self) -> tuple[dict[str, str], dict[int, str]]:
+        """(live replicas: member -> address; slots held by a live lease: slot -> member), heartbeating this
+        replica on the way. Times are the lease database's."""
+        from qtp.coordinator._lease import _NOW, LEASE_TABLE, MEMBER_TABLE
+
+        now_sql = _NOW[self._family]
+        ttl = self.lease_settings.ttl
+        ids = [slot_id(self.node_id, k) for k in range(self.slot_count)]
+        with self._home.begin() as conn:
+            now = conn.exec_driver_sql(f"SELECT {now_sql}").scalar()
+            values = (self.address, now, now + ttl, self.node_id, self.member)
+            if not conn.exec_driver_sql(f"UPDATE {REPLICA_TABLE} SET address = %s, seen_at = %s, expires_at = %s "
+                                        "WHERE node_id = %s AND member = %s", values).rowcount:
+                conn.exec_driver_sql(f"INSERT INTO {REPLICA_TABLE} (address, seen_at, expires_at, node_id, member) "
+                                     "VALUES (%s, %s, %s, %s, %s)", values)
+            live = dict(conn.exec_driver_sql(f"SELECT member, address FROM {REPLICA_TABLE} WHERE node_id = %s AND "
+                                             "expires_at > %s", (self.node_id, now)).all())
+            marks = ", ".join(["%s"] * len(ids))
+            rows = conn.exec_driver_sql(
+                f"SELECT l.node_id, l.holder FROM {LEASE_TABLE} l JOIN {MEMBER_TABLE} m ON m.node_id = l.node_id "
+                f"AND m.member = l.holder WHERE l.node_id IN ({marks}) AND m.role = 'owner' AND m.expires_at > %s",
+                (*ids, now)).all()
+        return live, {ids.index(n): holder for n, holder in rows}
+
+    def _take(self, k: int) -> None:
+        """Hold slot ``k``: its manager takes the slot's lease (or finds it held: nothing done), recovers the
+        slot's in-doubt transactions, and its node loads the slot's sequences and starts."""
+        from qtp.coordinator import TransactionManager
+        from qtp.errors import LeaseHeldError
+
+        config, name = self.config, slot_id(self.node_id, k)
+        manager = TransactionManager(name, config.log_dir, timeout=config.timeout,
+                                     recovery_interval=config.recovery_interval, llr=config.llr,
+                                     lease=replace(self.lease_settings, standby="refuse", slots=1))
+        manager.lease_member = self.member
+        try:
+            for resource, url in config.resources.items():
+                manager.add_resource(resource, url, last_resource=resource in config.last_resources)
+            manager.start_recovery()
+            node = Node(manager, replace(self.settings, slot=k, node_name=self.node_id))
+            for registration in self._registrations:
+                registration.apply(node)
+            node.start()
+        except LeaseHeldError:
+            manager.close()
+            return
+        except BaseException:
+            manager.close()
+            raise
+        with self._slots_lock:
+            self._slots[k] = node
+            self._held_since[k] = time.monotonic()
+        log.warning("took slot %d of node %s (epoch %d); this process (%s) holds slots %s", k, self.node_id,
+                    manager.lease.epoch if manager.lease else 0, self.member, self.slots())
+
+    def _release(self, k: int, why: str) -> None:
+        with self._slots_lock:
+            node = self._slots.pop(k, None)
+            self._held_since.pop(k, None)
+        if node is None:
+            return
+        log.warning("node %s: this process gives slot %d back: %s", self.node_id, k, why)
+        try:
+            node.stop()
+            node.manager.close(drain_s=1.0)
+        except Exception:  # the slot is gone from this process either way; its lease expires if not released
+            log.exception("node %s: slot %d not closed cleanly", self.node_id, k)
+
+    # ------------------------------------------------------------------ HTTP: route, serve or forward
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        method = environ.get("REQUEST_METHOD", "GET")
+        path = environ.get("PATH_INFO", "") or "/"
+        length = environ.get("CONTENT_LENGTH") or ""
+        if method != "POST" or path.rstrip("/") != self._path.rstrip("/") or not length.isdigit() \
+                or int(length) > self.limits.max_request_bytes:
+            node = self.first_slot()  # its endpoint answers /metrics, 404, 405, 411, 413 as a node does
+            if node is None:
+                return _plain(start_response, 503, "this replica holds no slot now; retry")
+            return node.wsgi(environ, start_response)
+        body = environ["wsgi.input"].read(int(length))
+        slot = self._route(environ, body)
+        with self._slots_lock:
+            node = self._slots.get(slot)
+        if node is not None and node.started:
+            environ["wsgi.input"] = BytesIO(body)
+            return node.wsgi(environ, start_response)
+        if environ.get("HTTP_X_QTP_FORWARDED"):
+            return _plain(start_response, 503, f"slot {slot} is not held here (any more); retry")
+        address = self._holders.get(slot)
+        if address is None or address == self.address:
+            return _plain(start_response, 503, f"slot {slot} of node {self.node_id} is being taken over; retry")
+        return self._forward(address, slot, environ, body, start_response)
+
+    def _route(self, environ: dict[str, Any], body: bytes) -> int:
+        header = environ.get("HTTP_X_QTP_SLOT")
+        if header is None:
+            header = (parse_qs(environ.get("QUERY_STRING", "")).get(SLOT_QUERY) or [None])[0]
+        if header is not None and header.isdigit() and int(header) < self.slot_count:
+            return int(header)
+        tagged = self._tag.search(body)
+        if tagged is not None and int(tagged.group(1)) < self.slot_count:
+            return int(tagged.group(1))
+        if b"CreateSequence" in body:
+            found = _MESSAGE_ID.search(body)
+            return zlib.crc32(found.group(1) if found else body) % self.slot_count
+        if b"MakeConnection" in body:
+            return next(self._polls) % self.slot_count
+        return 0
+
+    def _forward(self, address: str, slot: int, environ: dict[str, Any], body: bytes,
+                 start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if not self._forwarding.acquire(blocking=False):
+            return _plain(start_response, 503, "this replica is forwarding as much as it may now; retry")
+        try:
+            headers = {name: environ[key] for name, key in (("Content-Type", "CONTENT_TYPE"), ("Accept", "HTTP_ACCEPT"),
+                                                             ("SOAPAction", "HTTP_SOAPACTION")) if environ.get(key)}
+            headers[FORWARDED] = self.member
+            headers[SLOT_HEADER] = str(slot)
+            try:
+                answer = self._http.post(address, data=body, headers=headers, timeout=self.limits.http_timeout)
+            except requests.RequestException as exc:
+                log.info("node %s: slot %d's replica at %s did not answer (%s)", self.node_id, slot, address, exc)
+                return _plain(start_response, 503, f"slot {slot}'s replica did not answer; retry")
+        finally:
+            self._forwarding.release()
+        passed = [(k, v) for k, v in answer.headers.items() if k.lower() in _RELAYED]
+        passed.append(("Content-Length", str(len(answer.content))))
+        start_response(f"{answer.status_code} {answer.reason or 'Answer'}", passed)
+        return [answer.content]
+
+    # ------------------------------------------------------------------ for status
+
+    def describe(self) -> dict[str, Any]:
+        return {"node": self.node_id, "member": self.member, "address": self.address, "slots": self.slots(),
+                "slot_count": self.slot_count, "live_replicas": self._live, "holders": dict(self._holders)}
+
+
+def _plain(start_response: Callable[..., Any], status: int, text: str) -> list[bytes]:
+    body = text.encode()
+    reason = {503: "Service Unavailable"}.get(status, "Error")
+    start_response(f"{status} {reason}", [("Content-Type", "text/plain; charset=utf-8"),
+                                          ("Content-Length", str(len(body))), ("Retry-After", "1")])
+    return [body]
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(getattr(exc, "orig", None) or exc).splitlines()[0][:200]
