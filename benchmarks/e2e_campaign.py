@@ -37,9 +37,9 @@ Replicas that share the work (``--slots N`` with ``--replicas M``, M >= 2): the 
 work into N slots (``[lease] slots``), each holds some and serves, and the server's proxy sends each request
 to the next replica in turn (round-robin; one that refuses or is silent is skipped for a second); the client's
 replicas stay owner and standbys. The victims are the same; "pause-server" then pauses a random live server
-replica, which counts as taken over when another replica's log says it took one of the slots the paused one
-had taken. The summary adds how many requests the server's proxy had answered by each server replica
-(``server_replica_requests``).
+replica, whose slots the others take over; it must not exit but give those slots back and go on, and must
+not have written after the takeover (see ``_pause_sharing``). The summary adds how many requests the
+server's proxy had answered by each server replica (``server_replica_requests``).
 
     python benchmarks/e2e_campaign.py --messages 1000 --kills 20 --replicas 2 --slots 2 --ttl 3
 
@@ -182,40 +182,24 @@ def _pause(c: Campaign, role: str, nodes: dict[str, NodeProcess]) -> dict:
     Reading MAX(id) before the SIGSTOP instead would be wrong both ways: commits in flight at the SIGSTOP
     and branches recovered by the new owner would look like writes after the loss. Ids are never handed
     out twice by PostgreSQL; MariaDB may hand out again, after a crash of its own, ids that no committed
-    row holds, which can only hide a late row, never invent one.
-
-    Server replicas that share the work (``--slots``): a random live one is paused, and it was taken over when
-    another replica's log says, during the pause, that it took one of the slots the paused one had taken
-    (``took_before``, ``took_after``: how many times the others had taken one of those)."""
-    replicas = [nodes[name] for name in c.replicas.names(role)]
-    if replicas[0].slots > 1:
-        live = [node for node in replicas if node.role() == "sharing"]
-        owner = c.rng.choice(live) if live else None
-    else:
-        owner = owner_of(replicas, timeout=3 * c.args.ttl + 30)
+    row holds, which can only hide a late row, never invent one."""
+    if role == "server" and c.args.slots > 1:
+        return _pause_sharing(c, nodes)
+    owner = owner_of([nodes[name] for name in c.replicas.names(role)], timeout=3 * c.args.ttl + 30)
     if owner is None:
         return {"paused": None}
     pair = c.replicas.pair
+    store = (pair.server_store or pair.server_app) if role == "server" else (pair.client_store or pair.client_app)
+    epoch = f"SELECT epoch FROM {LEASE_TABLE} WHERE node_id = '{node_id(role, c.out)}'"
     held = c.args.ttl + c.rng.uniform(1.0, 3.0)
     record: dict = {"paused": next(name for name, node in nodes.items() if node is owner), "pid": owner.proc.pid,
-                    "paused_s": round(held, 3)}
-    if owner.slots > 1:
-        record["slots_held"] = held_slots = sorted(set(owner.slots_taken()))
-        others = [node for node in replicas if node is not owner]
-        taken = lambda: sum(k in held_slots for node in others for k in node.slots_taken())  # noqa: E731
-        before, after = "took_before", "took_after"
-    else:
-        store = (pair.server_store or pair.server_app) if role == "server" else (pair.client_store or pair.client_app)
-        epoch = f"SELECT epoch FROM {LEASE_TABLE} WHERE node_id = '{node_id(role, c.out)}'"
-        taken = lambda: _count(store, epoch)  # noqa: E731
-        before, after = "epoch_before", "epoch_after"
-    record[before] = taken()
+                    "paused_s": round(held, 3), "epoch_before": _count(store, epoch)}
     owner.pause()
     time.sleep(held)
-    record[after] = taken()
+    record["epoch_after"] = _count(store, epoch)
     mark = _mark(pair.server_app if role == "server" else pair.client_app, role)
     owner.resume()
-    taken_over = record[after] > record[before] >= 0
+    taken_over = record["epoch_after"] > record["epoch_before"] >= 0
     status = owner.wait_exit(c.args.ttl + 30 if taken_over else 1.0)
     record.update(taken_over=taken_over, exit=status, exited_75=status == LOST_LEASE_STATUS,
                   as_expected=status == LOST_LEASE_STATUS if taken_over else status is None)
@@ -228,6 +212,53 @@ def _pause(c: Campaign, role: str, nodes: dict[str, NodeProcess]) -> dict:
     return record
 
 
+def _pause_sharing(c: Campaign, nodes: dict[str, NodeProcess]) -> dict:
+    """``--slots``: SIGSTOP a random live server replica for the lease's ttl and 1-3 s more, then SIGCONT it.
+    The other replicas take over the slots it held (their logs say ``took slot <k>``): those are
+    ``slots_lost``. Unlike a whole node's owner, the paused replica must not exit: it finds those slots'
+    leases lost, gives them back (its log says ``gives slot <k> back``) and goes on serving, taking its share
+    again later (``as_expected``: alive, and every lost slot given back within ttl + 30 s).
+
+    It must have written no row after the takeover: rows of its pid in ``applied`` with an id above ``mark``
+    (read, as in ``_pause``, while it has been stopped for longer than the lease) and up to ``mark_after``,
+    read once it has given every lost slot back. Its rows after it takes a slot again are legitimate, so the
+    check counts only when it took none before ``mark_after`` was read, and when every slot it held was taken
+    over (a slot nobody took meanwhile is still its own); else ``wrote_after_loss`` is -1 (not checked)."""
+    replicas = [nodes[name] for name in c.replicas.names("server")]
+    live = [node for node in replicas if node.role() == "sharing"]
+    if not live:
+        return {"paused": None}
+    paused = c.rng.choice(live)
+    others = [node for node in replicas if node is not paused]
+    slots = paused.slots_held()
+    took = lambda: [sum(k == j for node in others for j in node.slots_taken()) for k in slots]  # noqa: E731
+    held = c.args.ttl + c.rng.uniform(1.0, 3.0)
+    record: dict = {"paused": next(name for name, node in nodes.items() if node is paused), "pid": paused.proc.pid,
+                    "paused_s": round(held, 3), "slots_held": slots}
+    before, taken, gave = took(), len(paused.slots_taken()), len(paused.slots_given_back())
+    paused.pause()
+    time.sleep(held)
+    lost = [k for k, n, m in zip(slots, before, took()) if m > n]
+    mark = _mark(c.replicas.pair.server_app, "server")
+    paused.resume()
+    given_back = lambda: set(lost) <= set(paused.slots_given_back()[gave:])  # noqa: E731
+    deadline = time.monotonic() + c.args.ttl + 30
+    while lost and paused.alive() and not given_back() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    mark_after = _mark(c.replicas.pair.server_app, "server")
+    retook = len(paused.slots_taken()) > taken
+    status = None if paused.alive() else paused.wait_exit(1.0)
+    record.update(slots_lost=lost, taken_over=bool(lost), exit=status, exited_75=status == LOST_LEASE_STATUS,
+                  gave_back=given_back(), as_expected=status is None and given_back())
+    if lost and mark is not None and mark_after is not None:
+        checkable = lost == slots and not retook
+        record["wrote_after_loss"] = _wrote_after(c.replicas.pair, "server", paused.proc.pid, mark, mark_after) \
+            if checkable else -1
+    if not paused.alive():
+        paused.start_replica()
+    return record
+
+
 def _mark(url: str, role: str) -> Any:
     """The server's highest ``applied.id`` handed out, or the client database's clock; None when the database
     is being killed (no check this time)."""
@@ -237,10 +268,13 @@ def _mark(url: str, role: str) -> Any:
         return None
 
 
-def _wrote_after(pair: Pair, role: str, pid: int, mark: Any) -> int:
+def _wrote_after(pair: Pair, role: str, pid: int, mark: Any, upto: int | None = None) -> int:
+    """Rows process ``pid`` wrote after ``mark`` (for the server, up to id ``upto`` when given)."""
     try:
         if role == "server":
-            return int(rows(pair.server_app, f"SELECT COUNT(*) FROM applied WHERE pid = {pid} AND id > {mark}")[0][0])
+            below = "" if upto is None else f" AND id <= {upto}"
+            return int(rows(pair.server_app,
+                            f"SELECT COUNT(*) FROM applied WHERE pid = {pid} AND id > {mark}{below}")[0][0])
         return written_after(pair.client_app, pid, mark)
     except Exception:  # noqa: BLE001 - as _count: -1, not checked this time
         return -1

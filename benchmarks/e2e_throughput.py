@@ -40,9 +40,10 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
 Every target is a ratio to (s) measured in the same round; (S1) and (S2) are also given as ratios to (L).
 Variants run interleaved, ``--rounds`` times each, at each ``--threads`` count; throughput is measured in
 the steady part of each run (from 10 % to 90 % of the messages applied). ``--rate R`` paces the senders at
-R messages/s in all (the latency at a given load); ``--batch-handler`` makes the qtp server apply with a batch handler (one ``executemany`` per
-transaction, as the strong baseline does). The client CPU of (s) and (c) is this process's (its app and
-relay threads, plus the polling of the measurement). Results: a table on stdout and ``--json``.
+R messages/s in all (the latency at a given load); ``--batch-handler`` makes the qtp server apply with a
+batch handler (one ``executemany`` per transaction, as the strong baseline does). The client CPU of (s) and
+(c) is this process's (its app and relay threads, plus the polling of the measurement). Results: a table on
+stdout and ``--json``.
 
     python benchmarks/e2e_throughput.py [--messages 2000] [--rounds 2] [--threads 1,16] [--variants a,b,r,s,c]
     python benchmarks/e2e_throughput.py --rounds 1 --variants L,S1,S2

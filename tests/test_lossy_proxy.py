@@ -1,6 +1,7 @@
 """The lossy proxy does what it is told: forwards faithfully, loses, duplicates, delays, reorders, stays bounded
-and on loopback, fails over between replicas, and spreads requests over them in turn (round-robin). Against real HTTP echo servers (and a port that refuses, a
-listener that never answers); waits are on counts with generous bounds, never on timing."""
+and on loopback, fails over between replicas, and spreads requests over them in turn (round-robin). Against
+real HTTP echo servers (and a port that refuses, a listener that never answers); waits are on counts with
+generous bounds, never on timing."""
 
 from __future__ import annotations
 

@@ -58,9 +58,11 @@ def test_server_replicas_with_slots_share_the_work_behind_a_round_robin_proxy(tm
     assert configs["server-b"]["node"]["endpoint"] == f"http://127.0.0.1:{pair.proxy_port}/rm"
     assert (replicas.balance("server"), replicas.balance("client")) == ("round-robin", "failover")
     assert [NodeProcess(paths[n], tmp_path / f"{n}.log").slots for n in ("server-a", "client-a")] == [4, 1]
-    (tmp_path / "server-a.log").write_text("qtp.lease: took slot 0 of node server-x at epoch 1\n"
-                                           "qtp.lease: took slot 3 of node server-x at epoch 2\n")
-    assert NodeProcess(paths["server-a"], tmp_path / "server-a.log").slots_taken() == [0, 3]
+    (tmp_path / "server-a.log").write_text("took slot 0 of node server-x (epoch 1); this process holds slots [0]\n"
+                                           "took slot 3 of node server-x (epoch 2); ... holds slots [0, 3]\n"
+                                           "node server-x: this process gives slot 0 back: its lease was lost\n")
+    logged = NodeProcess(paths["server-a"], tmp_path / "server-a.log")
+    assert (logged.slots_taken(), logged.slots_given_back(), logged.slots_held()) == ([0, 3], [0], [3])
     assert Replicas(pair, servers=2, clients=2).balance("server") == "failover"
     (tmp_path / "one").mkdir()
     one = Replicas(pair, servers=1, clients=1, slots=2).write(tmp_path / "one")   # one process holds every slot

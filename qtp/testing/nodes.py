@@ -280,9 +280,10 @@ LAUNCH: Callable[[list[str], dict[str, str], Path], Any] | None = None
 
 #: What a replica's log says (qtp.coordinator's lease) when it starts waiting for the lease, when it gets it,
 #: and when it finds it lost it (it then exits with LOST_LEASE_STATUS, EX_TEMPFAIL); with slots, each slot it
-#: takes ("took slot <k> of node <id>").
+#: takes ("took slot <k> of node <id>") and gives back ("node <id>: this process gives slot <k> back: <why>").
 STANDBY_LINE, TOOK_OVER_LINE, LOST_LEASE_LINE = b"standby for node", b"took over node", b"lost the lease of node"
-TOOK_SLOT = re.compile(rb"took slot (\d+) of node")
+TOOK_SLOT, GAVE_SLOT = re.compile(rb"took slot (\d+) of node"), re.compile(rb"gives slot (\d+) back")
+_SLOT_EVENT = re.compile(rb"(took|gives) slot (\d+) (?:of node|back)")
 LOST_LEASE_STATUS = 75
 
 
@@ -328,6 +329,17 @@ class NodeProcess:
         """The slots its log says it took since it was started, in that order (a slot again when it took it
         again after losing it)."""
         return [int(k) for k in TOOK_SLOT.findall(self.said())]
+
+    def slots_given_back(self) -> list[int]:
+        """The slots its log says it gave back since it was started (its lease lost, more than its share, stopping)."""
+        return [int(k) for k in GAVE_SLOT.findall(self.said())]
+
+    def slots_held(self) -> list[int]:
+        """The slots it holds as far as its log says: taken and not given back since."""
+        held: set[int] = set()
+        for event, k in _SLOT_EVENT.findall(self.said()):
+            (held.add if event == b"took" else held.discard)(int(k))
+        return sorted(held)
 
     def launch(self) -> "NodeProcess":
         """Start the process and return at once."""
