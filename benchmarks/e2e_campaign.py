@@ -134,7 +134,7 @@ def _kill(c: Campaign, victim: str, nodes: dict[str, NodeProcess], servers: dict
         if c.args.replicas > 1:
             record["role"] = nodes[victim].role()
         if nodes[victim].slots > 1:
-            record["slots_taken"] = nodes[victim].slots_taken()
+            record["slots_held"] = nodes[victim].slots_held()
         nodes[victim].kill()
         nodes[victim].start_replica()
     elif victim in ("postgresql", "mariadb"):
