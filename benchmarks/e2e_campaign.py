@@ -36,7 +36,8 @@ than a kill: the default pace leaves the stream that much more time per pause.
 Replicas that share the work (``--slots N`` with ``--replicas M``, M >= 2): the server's replicas split its
 work into N slots (``[lease] slots``), each holds some and serves, and the server's proxy sends each request
 to the next replica in turn (round-robin; one that refuses or is silent is skipped for a second); the client's
-replicas stay owner and standbys. The victims are the same; "pause-server" then pauses a random live server
+replicas stay owner and standbys. The clients start once each server replica holds a slot (the first one
+took them all; the others get theirs as it hands them back, after twice the ttl). The victims are the same; "pause-server" then pauses a random live server
 replica, whose slots the others take over; it must not exit but give those slots back and go on, and must
 not have written after the takeover (see ``_pause_sharing``). The summary adds how many requests the
 server's proxy had answered by each server replica (``server_replica_requests``).
@@ -63,7 +64,7 @@ from typing import Any
 from qtp.coordinator._lease import LEASE_TABLE
 from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres, free_port
 from qtp.testing.lossy_proxy import LossyProxy
-from qtp.testing.nodes import (LOST_LEASE_STATUS, NodeProcess, Pair, Replicas, applied_id_mark, client_schema,
+from qtp.testing.nodes import (LOST_LEASE_STATUS, NodeProcess, Pair, Replicas, applied_id_mark, balanced, client_schema,
                                clock_mark, written_after,
                                listening_ports, node_id, owner_of, reconcile_reports, rows, server_schema)
 
@@ -87,6 +88,7 @@ class Campaign:
     replicas: Replicas | None = None
     kills: list[dict] = field(default_factory=list)
     revived: list[dict] = field(default_factory=list)  # replicas started again after they exited by themselves
+    balanced_s: float | None = None  # --slots: how long the server's replicas took to share its slots at the start
 
     def names(self) -> list[str]:
         """The node processes: the client's replicas, then the server's ("client", "server" for one each)."""
@@ -375,6 +377,10 @@ def run(args: argparse.Namespace) -> int:
     servers = {"postgresql": pg, "mariadb": maria}
     try:
         for node in nodes.values():  # the servers first: the first replica of each node is its owner
+            if args.slots > 1 and node is nodes[c.replicas.names("client")[0]]:
+                # the first server replica took every slot: the client starts once each replica has its share
+                c.balanced_s = balanced([nodes[name] for name in c.replicas.names("server")], 3 * args.ttl + 30)
+                print(f"  the server's replicas share its {args.slots} slots after {c.balanced_s:.1f} s", flush=True)
             node.start_replica()
         if args.no_listen:
             assert all(listening_ports(nodes[name].proc.pid) == [] for name in c.replicas.names("client")), \
@@ -422,7 +428,7 @@ def summarise(c: Campaign, drained: dict, requests_report: dict, replies_report:
     if c.args.replicas > 1:
         result.update(replicas=c.args.replicas, ttl=c.args.ttl, revived=c.revived, **_lease_summary(c.kills))
         per_target = drained["proxies"][0]["per_target"]    # the server's proxy: requests each replica answered
-        result.update(slots=c.args.slots, server_replica_requests={
+        result.update(slots=c.args.slots, balanced_s=c.balanced_s, server_replica_requests={
             name: per_target.get(url, 0) for name, url in zip(c.replicas.names("server"), c.replicas.urls("server"))})
     verdict = "exactly-once" if result["requests_verdict"] == "exactly-once" and \
         result["replies_verdict"] in (None, "exactly-once") and not result.get("paused_wrote_after_loss") \

@@ -27,7 +27,8 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
   what splitting the work into slots costs;
 - (S2) as (S1), the server as two processes sharing the work (``slots = 2``, each its own log folder and port,
   as on hosts of their own) behind a round-robin ``LossyProxy`` without faults, this process (its CPU, with
-  the measurement's polls, reported as ``proxy``; the second server process's as ``server_b``): what replicas
+  the measurement's polls, reported as ``proxy``; the second server process's as ``server_b``), the client
+  started once each server process holds a slot (``balanced_s`` after the first took both): what replicas
   that share the work give;
 - (s) **the strong baseline**, what a user would hand-write: an ``outbox`` row written in the client's
   local transaction; one relay thread takes up to 500 rows (``FOR UPDATE SKIP LOCKED``, in id order),
@@ -72,7 +73,8 @@ from _cpu import CpuMeter
 
 from qtp.embedded import DEFAULT_ROOT, EmbeddedMariaDB, EmbeddedPostgres, free_port
 from qtp.testing.lossy_proxy import LossyProxy
-from qtp.testing.nodes import NodeProcess, Pair, Replicas, client_schema, counter, create, rows, server_schema
+from qtp.testing.nodes import (NodeProcess, Pair, Replicas, balanced, client_schema, counter, create, rows,
+                               server_schema)
 
 HERE = Path(__file__).resolve().parent
 DRAIN_POLL_S = 60.0
@@ -196,6 +198,9 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
                            {"QTP_TEST_BATCH_HANDLER": "1"} if batch_handler else {}).start()
                for config in server_configs]
     server = servers[0]
+    # the first server process took both slots: the client starts once each has its share (the other hands
+    # one back after holding it for twice the ttl)
+    balanced_s = balanced(servers, timeout=3 * 10 + 30) if len(servers) > 1 else None
     sending = {"QTP_TEST_SEND": str(messages), "QTP_TEST_THREADS": str(threads), "QTP_TEST_PAD": str(PAD)}
     if rate:
         sending["QTP_TEST_RATE"] = str(rate)
@@ -219,6 +224,7 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
         result = _measure(server_app, client_app, messages, began, timeout=600 + (DRAIN_POLL_S if drain else 0),
                           metrics=metrics, cpu=cpu, replies=reply)
         if proxy is not None:
+            result["balanced_s"] = balanced_s
             answered = proxy.stats()["per_target"]     # requests each server process answered
             result["per_server"] = {name: answered[url] for name, url in zip(replicas.names("server"),
                                                                               replicas.urls("server"))}

@@ -15,7 +15,8 @@ import requests
 from qtp.embedded import free_port
 from qtp.testing.lossy_proxy import LossyProxy
 from qtp.testing.nodes import (LOST_LEASE_LINE, LOST_LEASE_STATUS, TOOK_OVER_LINE, NodeProcess, Pair, Replicas,
-                               applied_id_mark, check_exactly_once, client_schema, rows, server_schema, wait_until)
+                               applied_id_mark, balanced, check_exactly_once, client_schema, rows, server_schema,
+                               wait_until)
 
 
 def _read(path: Path) -> dict:
@@ -63,6 +64,13 @@ def test_server_replicas_with_slots_share_the_work_behind_a_round_robin_proxy(tm
                                            "node server-x: this process gives slot 0 back: its lease was lost\n")
     logged = NodeProcess(paths["server-a"], tmp_path / "server-a.log")
     assert (logged.slots_taken(), logged.slots_given_back(), logged.slots_held()) == ([0, 3], [0], [3])
+    other = NodeProcess(paths["server-b"], tmp_path / "server-b.log")
+    (tmp_path / "server-b.log").write_text("took slot 0 of node server-x (epoch 3); ... holds slots [0]\n")
+    with pytest.raises(AssertionError, match="sharing 4 slots"):     # slots 1 and 2 held by nobody
+        balanced([logged, other], timeout=0.3)
+    with open(tmp_path / "server-b.log", "a") as log:
+        log.write("took slot 1 of node server-x (epoch 1); ...\ntook slot 2 of node server-x (epoch 1); ...\n")
+    assert balanced([logged, other], timeout=5) < 5
     assert Replicas(pair, servers=2, clients=2).balance("server") == "failover"
     (tmp_path / "one").mkdir()
     one = Replicas(pair, servers=1, clients=1, slots=2).write(tmp_path / "one")   # one process holds every slot

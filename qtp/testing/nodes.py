@@ -462,6 +462,22 @@ def owner_of(replicas: list[NodeProcess], timeout: float = 0.0) -> NodeProcess |
         time.sleep(0.1)
 
 
+def balanced(replicas: list[NodeProcess], timeout: float) -> float:
+    """Wait until replicas that share the work hold every slot between them, as far as their logs say, and
+    each holds one at least (with fewer slots than replicas: as many replicas as slots). A replica that joins
+    gets its share only once another hands one back, which that one does for a slot it has held for twice the
+    lease's ttl. Returns the seconds waited; raises AssertionError after ``timeout``."""
+    began = time.monotonic()
+    count = replicas[0].slots
+
+    def shared() -> bool:
+        held = [node.slots_held() for node in replicas]
+        return len(set().union(*held)) == count and sum(1 for slots in held if slots) == min(count, len(replicas))
+
+    wait_until(shared, timeout, f"{len(replicas)} replicas sharing {count} slots")
+    return round(time.monotonic() - began, 3)
+
+
 def _stopped(pid: int) -> bool:
     """Every thread of process ``pid`` is stopped (or gone), as /proc says."""
     try:
