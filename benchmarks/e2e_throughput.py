@@ -42,9 +42,10 @@ Every target is a ratio to (s) measured in the same round; (S1) and (S2) are als
 Variants run interleaved, ``--rounds`` times each, at each ``--threads`` count; throughput is measured in
 the steady part of each run (from 10 % to 90 % of the messages applied). ``--rate R`` paces the senders at
 R messages/s in all (the latency at a given load); ``--batch-handler`` makes the qtp server apply with a
-batch handler (one ``executemany`` per transaction, as the strong baseline does). The client CPU of (s) and
-(c) is this process's (its app and relay threads, plus the polling of the measurement). Results: a table on
-stdout and ``--json``.
+batch handler (one ``executemany`` per transaction, as the strong baseline does); ``--lanes N`` gives the
+qtp client's channel N lanes (N sequences; a server with slots works each sequence in one slot, so (S1) and
+(S2) spread over their slots only with lanes). The client CPU of (s) and (c) is this process's (its app and
+relay threads, plus the polling of the measurement). Results: a table on stdout and ``--json``.
 
     python benchmarks/e2e_throughput.py [--messages 2000] [--rounds 2] [--threads 1,16] [--variants a,b,r,s,c]
     python benchmarks/e2e_throughput.py --rounds 1 --variants L,S1,S2
@@ -167,15 +168,17 @@ def _databases_cpu(pg, maria) -> dict[str, int | None]:
 def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, tag: str,
             rate: float | None = None, batch_handler: bool = False, reply: bool = False,
             secret: str | None = None, profile: Path | None = None, polls: bool = False, drain: bool = False,
-            lease: bool = False, standby: bool = False, slots: int = 1, sharing: int = 1) -> dict:
+            lease: bool = False, standby: bool = False, slots: int = 1, sharing: int = 1, lanes: int = 1) -> dict:
     """One run of a qtp variant; ``slots`` > 1: the server's ``[lease] slots``, run as ``sharing`` processes
-    (more than one: behind a round-robin LossyProxy without faults), the client with a ``[lease]``."""
+    (more than one: behind a round-robin LossyProxy without faults), the client with a ``[lease]``; ``lanes``
+    > 1: the client's channel has that many lanes (sequences), each order keyed by its number."""
     client_app, server_app = _fresh(pg, f"tc_{tag}"), _fresh(maria, f"ts_{tag}")
     client_schema(client_app)
     server_schema(server_app)
     stores = {"client_store": _fresh(maria, f"tcs_{tag}"), "server_store": _fresh(pg, f"tss_{tag}")} if other else {}
     pair = Pair(client_app, server_app, reply=reply, secret=secret, client_listens=not (polls or drain),
                 acks_to="poll" if polls else "anonymous", **stores, proxy_port=free_port() if sharing > 1 else None,
+                client_extra=f"lanes = {lanes}\n" if lanes > 1 else "",
                 limits=f"poll_interval_min = {DRAIN_POLL_S}\npoll_interval_max = {DRAIN_POLL_S}\n"
                        f"max_unacknowledged = {messages + 1}" if drain else "")
     run = folder / tag
@@ -202,6 +205,8 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
     # one back after holding it for twice the ttl)
     balanced_s = balanced(servers, timeout=3 * 10 + 30) if len(servers) > 1 else None
     sending = {"QTP_TEST_SEND": str(messages), "QTP_TEST_THREADS": str(threads), "QTP_TEST_PAD": str(PAD)}
+    if lanes > 1:
+        sending["QTP_TEST_KEYS"] = "1"
     if rate:
         sending["QTP_TEST_RATE"] = str(rate)
     client = NodeProcess(client_config, run / "client.log", sending)
@@ -366,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a, A, L, R, S1, S2, b, r, p, d (qtp), s (strong), c (serial); see above")
     parser.add_argument("--rate", type=float, default=None, help="pace the senders at this many messages/s")
     parser.add_argument("--batch-handler", action="store_true", help="the qtp server applies with a batch handler")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="lanes of the qtp client's channel (orders keyed by number): with one, all the orders "
+                             "travel in one sequence, which one slot of (S1)/(S2) works")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", type=Path, help="record the qtp nodes with py-spy (collapsed stacks) in this folder")
@@ -388,9 +396,9 @@ def main(argv: list[str] | None = None) -> int:
                                 secret=secrets.token_urlsafe(32) if variant == "A" else None,
                                 lease=variant in ("L", "S1", "S2"), standby=variant == "R",
                                 slots=SLOTS if variant in ("S1", "S2") else 1, sharing=2 if variant == "S2" else 1,
-                                profile=args.profile)
+                                lanes=args.lanes, profile=args.profile)
                 r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate,
-                         batch_handler=args.batch_handler)
+                         batch_handler=args.batch_handler, lanes=args.lanes)
                 results.append(r)
                 print(json.dumps(r), flush=True)
     summary = summarise(results)
