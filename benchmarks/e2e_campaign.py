@@ -33,6 +33,17 @@ than a kill: the default pace leaves the stream that much more time per pause.
 
     python benchmarks/e2e_campaign.py --messages 2000 --kills 40 --replicas 2 --pause --ttl 5
 
+Replicas that share the work (``--slots N`` with ``--replicas M``, M >= 2): the server's replicas split its
+work into N slots (``[lease] slots``), each holds some and serves, and the server's proxy sends each request
+to the next replica in turn (round-robin; one that refuses or is silent is skipped for a second); the client's
+replicas stay owner and standbys. The clients start once each server replica holds a slot (the first one
+took them all; the others get theirs as it hands them back, after twice the ttl). The victims are the same; "pause-server" then pauses a random live server
+replica, whose slots the others take over; it must not exit but give those slots back and go on, and must
+not have written after the takeover (see ``_pause_sharing``). The summary adds how many requests the
+server's proxy had answered by each server replica (``server_replica_requests``).
+
+    python benchmarks/e2e_campaign.py --messages 1000 --kills 20 --replicas 2 --slots 2 --ttl 3
+
 Every kill's outcome goes to ``<out>/kills.json``, the reconciliation reports to ``<out>/``; the verdict
 (``exactly-once`` or ``violated``; with ``--pause`` also violated when a paused process wrote after the
 takeover) is printed last and the exit code is 0 only for exactly-once.
@@ -53,7 +64,7 @@ from typing import Any
 from qtp.coordinator._lease import LEASE_TABLE
 from qtp.embedded import EmbeddedMariaDB, EmbeddedPostgres, free_port
 from qtp.testing.lossy_proxy import LossyProxy
-from qtp.testing.nodes import (LOST_LEASE_STATUS, NodeProcess, Pair, Replicas, applied_id_mark, client_schema,
+from qtp.testing.nodes import (LOST_LEASE_STATUS, NodeProcess, Pair, Replicas, applied_id_mark, balanced, client_schema,
                                clock_mark, written_after,
                                listening_ports, node_id, owner_of, reconcile_reports, rows, server_schema)
 
@@ -77,6 +88,7 @@ class Campaign:
     replicas: Replicas | None = None
     kills: list[dict] = field(default_factory=list)
     revived: list[dict] = field(default_factory=list)  # replicas started again after they exited by themselves
+    balanced_s: float | None = None  # --slots: how long the server's replicas took to share its slots at the start
 
     def names(self) -> list[str]:
         """The node processes: the client's replicas, then the server's ("client", "server" for one each)."""
@@ -123,6 +135,8 @@ def _kill(c: Campaign, victim: str, nodes: dict[str, NodeProcess], servers: dict
     if victim in nodes:
         if c.args.replicas > 1:
             record["role"] = nodes[victim].role()
+        if nodes[victim].slots > 1:
+            record["slots_held"] = nodes[victim].slots_held()
         nodes[victim].kill()
         nodes[victim].start_replica()
     elif victim in ("postgresql", "mariadb"):
@@ -171,6 +185,8 @@ def _pause(c: Campaign, role: str, nodes: dict[str, NodeProcess]) -> dict:
     and branches recovered by the new owner would look like writes after the loss. Ids are never handed
     out twice by PostgreSQL; MariaDB may hand out again, after a crash of its own, ids that no committed
     row holds, which can only hide a late row, never invent one."""
+    if role == "server" and c.args.slots > 1:
+        return _pause_sharing(c, nodes)
     owner = owner_of([nodes[name] for name in c.replicas.names(role)], timeout=3 * c.args.ttl + 30)
     if owner is None:
         return {"paused": None}
@@ -198,6 +214,53 @@ def _pause(c: Campaign, role: str, nodes: dict[str, NodeProcess]) -> dict:
     return record
 
 
+def _pause_sharing(c: Campaign, nodes: dict[str, NodeProcess]) -> dict:
+    """``--slots``: SIGSTOP a random live server replica for the lease's ttl and 1-3 s more, then SIGCONT it.
+    The other replicas take over the slots it held (their logs say ``took slot <k>``): those are
+    ``slots_lost``. Unlike a whole node's owner, the paused replica must not exit: it finds those slots'
+    leases lost, gives them back (its log says ``gives slot <k> back``) and goes on serving, taking its share
+    again later (``as_expected``: alive, and every lost slot given back within ttl + 30 s).
+
+    It must have written no row after the takeover: rows of its pid in ``applied`` with an id above ``mark``
+    (read, as in ``_pause``, while it has been stopped for longer than the lease) and up to ``mark_after``,
+    read once it has given every lost slot back. Its rows after it takes a slot again are legitimate, so the
+    check counts only when it took none before ``mark_after`` was read, and when every slot it held was taken
+    over (a slot nobody took meanwhile is still its own); else ``wrote_after_loss`` is -1 (not checked)."""
+    replicas = [nodes[name] for name in c.replicas.names("server")]
+    live = [node for node in replicas if node.role() == "sharing"]
+    if not live:
+        return {"paused": None}
+    paused = c.rng.choice(live)
+    others = [node for node in replicas if node is not paused]
+    slots = paused.slots_held()
+    took = lambda: [sum(k == j for node in others for j in node.slots_taken()) for k in slots]  # noqa: E731
+    held = c.args.ttl + c.rng.uniform(1.0, 3.0)
+    record: dict = {"paused": next(name for name, node in nodes.items() if node is paused), "pid": paused.proc.pid,
+                    "paused_s": round(held, 3), "slots_held": slots}
+    before, taken, gave = took(), len(paused.slots_taken()), len(paused.slots_given_back())
+    paused.pause()
+    time.sleep(held)
+    lost = [k for k, n, m in zip(slots, before, took()) if m > n]
+    mark = _mark(c.replicas.pair.server_app, "server")
+    paused.resume()
+    given_back = lambda: set(lost) <= set(paused.slots_given_back()[gave:])  # noqa: E731
+    deadline = time.monotonic() + c.args.ttl + 30
+    while lost and paused.alive() and not given_back() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    mark_after = _mark(c.replicas.pair.server_app, "server")
+    retook = len(paused.slots_taken()) > taken
+    status = None if paused.alive() else paused.wait_exit(1.0)
+    record.update(slots_lost=lost, taken_over=bool(lost), exit=status, exited_75=status == LOST_LEASE_STATUS,
+                  gave_back=given_back(), as_expected=status is None and given_back())
+    if lost and mark is not None and mark_after is not None:
+        checkable = lost == slots and not retook
+        record["wrote_after_loss"] = _wrote_after(c.replicas.pair, "server", paused.proc.pid, mark, mark_after) \
+            if checkable else -1
+    if not paused.alive():
+        paused.start_replica()
+    return record
+
+
 def _mark(url: str, role: str) -> Any:
     """The server's highest ``applied.id`` handed out, or the client database's clock; None when the database
     is being killed (no check this time)."""
@@ -207,10 +270,13 @@ def _mark(url: str, role: str) -> Any:
         return None
 
 
-def _wrote_after(pair: Pair, role: str, pid: int, mark: Any) -> int:
+def _wrote_after(pair: Pair, role: str, pid: int, mark: Any, upto: int | None = None) -> int:
+    """Rows process ``pid`` wrote after ``mark`` (for the server, up to id ``upto`` when given)."""
     try:
         if role == "server":
-            return int(rows(pair.server_app, f"SELECT COUNT(*) FROM applied WHERE pid = {pid} AND id > {mark}")[0][0])
+            below = "" if upto is None else f" AND id <= {upto}"
+            return int(rows(pair.server_app,
+                            f"SELECT COUNT(*) FROM applied WHERE pid = {pid} AND id > {mark}{below}")[0][0])
         return written_after(pair.client_app, pid, mark)
     except Exception:  # noqa: BLE001 - as _count: -1, not checked this time
         return -1
@@ -288,16 +354,18 @@ def run(args: argparse.Namespace) -> int:
           f"{', client polls (no endpoint)' if args.no_listen else ''}, "
           f"{f'paced at {args.rate:.1f} orders/s' if args.rate > 0 else 'unpaced'}"
           f"{f', {args.replicas} replicas per node, lease ttl {args.ttl:g} s' if args.replicas > 1 else ''}"
+          f"{f', the server in {args.slots} slots shared by its replicas (round-robin)' if args.slots > 1 else ''}"
           f"{', pauses' if args.pause else ''}", flush=True)
     pg, maria = _databases(Path(args.root))
     pair = _pair(args, pg, maria, tag)
-    c.replicas = Replicas(pair, servers=args.replicas, clients=args.replicas, ttl=args.ttl)
+    c.replicas = Replicas(pair, servers=args.replicas, clients=args.replicas, ttl=args.ttl, slots=args.slots)
     configs = c.replicas.write(out)
     loss = dict(drop_request=args.loss / 2, drop_response=args.loss / 2, duplicate_request=args.loss / 2,
                 delay=0.2, delay_ms=(0, 30))
     if args.replicas > 1:
         loss["failover_s"] = args.failover_s
-    proxies = [LossyProxy(c.replicas.urls("server"), port=pair.proxy_port, seed=args.seed, **loss).start()]
+    proxies = [LossyProxy(c.replicas.urls("server"), port=pair.proxy_port, seed=args.seed,
+                          balance=c.replicas.balance("server"), **loss).start()]
     if pair.back_proxy_port is not None:  # a client without an endpoint is never called: it polls
         proxies.append(LossyProxy(c.replicas.urls("client"), port=pair.back_proxy_port,
                                   seed=args.seed + 1, **loss).start())
@@ -309,6 +377,10 @@ def run(args: argparse.Namespace) -> int:
     servers = {"postgresql": pg, "mariadb": maria}
     try:
         for node in nodes.values():  # the servers first: the first replica of each node is its owner
+            if args.slots > 1 and node is nodes[c.replicas.names("client")[0]]:
+                # the first server replica took every slot: the client starts once each replica has its share
+                c.balanced_s = balanced([nodes[name] for name in c.replicas.names("server")], 3 * args.ttl + 30)
+                print(f"  the server's replicas share its {args.slots} slots after {c.balanced_s:.1f} s", flush=True)
             node.start_replica()
         if args.no_listen:
             assert all(listening_ports(nodes[name].proc.pid) == [] for name in c.replicas.names("client")), \
@@ -355,13 +427,17 @@ def summarise(c: Campaign, drained: dict, requests_report: dict, replies_report:
               "elapsed_s": round(time.monotonic() - c.args.began, 1)}
     if c.args.replicas > 1:
         result.update(replicas=c.args.replicas, ttl=c.args.ttl, revived=c.revived, **_lease_summary(c.kills))
+        per_target = drained["proxies"][0]["per_target"]    # the server's proxy: requests each replica answered
+        result.update(slots=c.args.slots, balanced_s=c.balanced_s, server_replica_requests={
+            name: per_target.get(url, 0) for name, url in zip(c.replicas.names("server"), c.replicas.urls("server"))})
     verdict = "exactly-once" if result["requests_verdict"] == "exactly-once" and \
         result["replies_verdict"] in (None, "exactly-once") and not result.get("paused_wrote_after_loss") \
         else "violated"
     result["verdict"] = verdict
     (c.out / "result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("victims", "kills_in_stream", "requests", "replies", "elapsed_s",
-                                             "pauses", "paused_wrote_after_loss") if k in result}))
+                                             "pauses", "paused_wrote_after_loss", "server_replica_requests")
+                      if k in result}))
     print(f"results in {c.out}")
     print(verdict)
     return 0 if verdict == "exactly-once" else 1
@@ -413,11 +489,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttl", type=float, default=5.0, help="with --replicas: the lease's ttl in seconds")
     parser.add_argument("--failover-s", type=float, default=2.0,
                         help="with --replicas: a replica silent this long is passed over by the proxy")
+    parser.add_argument("--slots", type=int, default=1,
+                        help="with --replicas: the server's replicas share its work in this many slots "
+                             "(round-robin proxy); 1: owner and standbys")
     parser.add_argument("--pause", action="store_true",
                         help="with --replicas: some kills SIGSTOP a node's owner past its lease, then SIGCONT it")
     args = parser.parse_args(argv)
     if args.replicas < 1 or args.pause and args.replicas < 2:
         parser.error("--replicas is 1 or more, and --pause needs --replicas 2 or more (a standby to take over)")
+    if args.slots < 1 or args.slots > 1 and args.replicas < 2:
+        parser.error("--slots is 1 or more, and --slots N > 1 needs --replicas 2 or more (replicas to share the work)")
+    if args.slots > 1 and (args.mode != "xa" or args.auth):
+        parser.error("--slots N > 1 needs --mode xa and no --auth (qtp refuses [lease] slots with other modes "
+                     "and with [peers])")
     if args.rate is None:  # a pause lasts the ttl and 1-3 s more before its restart: a share of the kills do
         pauses = len(PAUSES) / (2 * args.replicas + len(VICTIMS) - 2 + len(PAUSES)) if args.pause else 0.0
         args.rate = args.messages / (max(args.kills, 1) * (KILL_SPACING_S + pauses * (args.ttl + 2.0)))

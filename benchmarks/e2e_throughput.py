@@ -23,6 +23,13 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
   process each), what the fence before every commit costs;
 - (R) as (L), each node with a second replica waiting as its standby (its own log folder and port, as on
   another host): what a standby costs the owner (their CPU is reported as ``server_standby``, ``client_standby``);
+- (S1) as (L), the server's ``[lease]`` with ``slots = 2`` and the server one process (it holds both slots):
+  what splitting the work into slots costs;
+- (S2) as (S1), the server as two processes sharing the work (``slots = 2``, each its own log folder and port,
+  as on hosts of their own) behind a round-robin ``LossyProxy`` without faults, this process (its CPU, with
+  the measurement's polls, reported as ``proxy``; the second server process's as ``server_b``), the client
+  started once each server process holds a slot (``balanced_s`` after the first took both): what replicas
+  that share the work give;
 - (s) **the strong baseline**, what a user would hand-write: an ``outbox`` row written in the client's
   local transaction; one relay thread takes up to 500 rows (``FOR UPDATE SKIP LOCKED``, in id order),
   sends them in one POST (JSON), and deletes them on a 200 in the same transaction; the server inserts the
@@ -31,14 +38,17 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
 - (c) the serial baseline: the same outbox, but one message per POST and one commit per message at the
   server (what issue 9 measured).
 
-Every target is a ratio to (s) measured in the same round. Variants run interleaved, ``--rounds`` times
-each, at each ``--threads`` count; throughput is measured in the steady part of each run (from 10 % to
-90 % of the messages applied). ``--rate R`` paces the senders at R messages/s in all (the latency at a
-given load); ``--batch-handler`` makes the qtp server apply with a batch handler (one ``executemany`` per
-transaction, as the strong baseline does). The client CPU of (s) and (c) is this process's (its app and
+Every target is a ratio to (s) measured in the same round; (S1) and (S2) are also given as ratios to (L).
+Variants run interleaved, ``--rounds`` times each, at each ``--threads`` count; throughput is measured in
+the steady part of each run (from 10 % to 90 % of the messages applied). ``--rate R`` paces the senders at
+R messages/s in all (the latency at a given load); ``--batch-handler`` makes the qtp server apply with a
+batch handler (one ``executemany`` per transaction, as the strong baseline does); ``--lanes N`` gives the
+qtp client's channel N lanes (N sequences; a server with slots works each sequence in one slot, so (S1) and
+(S2) spread over their slots only with lanes). The client CPU of (s) and (c) is this process's (its app and
 relay threads, plus the polling of the measurement). Results: a table on stdout and ``--json``.
 
     python benchmarks/e2e_throughput.py [--messages 2000] [--rounds 2] [--threads 1,16] [--variants a,b,r,s,c]
+    python benchmarks/e2e_throughput.py --rounds 1 --variants L,S1,S2
 """
 
 from __future__ import annotations
@@ -63,7 +73,9 @@ from sqlalchemy import text
 from _cpu import CpuMeter
 
 from qtp.embedded import DEFAULT_ROOT, EmbeddedMariaDB, EmbeddedPostgres, free_port
-from qtp.testing.nodes import NodeProcess, Pair, client_schema, counter, create, rows, server_schema
+from qtp.testing.lossy_proxy import LossyProxy
+from qtp.testing.nodes import (NodeProcess, Pair, Replicas, balanced, client_schema, counter, create, rows,
+                               server_schema)
 
 HERE = Path(__file__).resolve().parent
 DRAIN_POLL_S = 60.0
@@ -71,7 +83,11 @@ PAD = 1000 - len('<order xmlns="urn:test" k="12345"></order>')
 LABELS = {"a": "qtp xa, queues co-located", "A": "qtp xa, co-located, authenticated peers", "b": "qtp xa, queues in the other db",
           "r": "qtp xa, co-located, request-reply", "p": "qtp xa, request-reply, client polls",
           "d": "qtp xa, request-reply, polled backlog (drain)",
-          "L": "qtp xa, co-located, [lease] (fenced commits)", "R": "qtp xa, co-located, [lease], a standby each", "s": "strong outbox baseline", "c": "serial outbox baseline"}
+          "L": "qtp xa, co-located, [lease] (fenced commits)", "R": "qtp xa, co-located, [lease], a standby each",
+          "S1": "qtp xa, [lease], slots = 2, one server", "S2": "qtp xa, [lease], slots = 2, two servers",
+          "s": "strong outbox baseline", "c": "serial outbox baseline"}
+SLOTS = 2  # (S1), (S2)
+QTP_VARIANTS = ("a", "A", "L", "R", "S1", "S2", "b", "r", "p", "d")
 STRONG_BATCH = 500
 
 
@@ -87,14 +103,15 @@ def _fresh(server, name: str) -> str:
 
 
 def _measure(server_url: str, client_url: str, total: int, began: float, timeout: float,
-             metrics: str | None = None, cpu: CpuMeter | None = None, replies: bool = False) -> dict:
+             metrics: list[str] | None = None, cpu: CpuMeter | None = None, replies: bool = False) -> dict:
     """Poll the stages: orders committed at the client (the sending transactions), messages stored at the
-    server (qtp: its received counter), messages applied. Each stage's rate is taken between 10 % and 90 %
-    of the messages; latency is every message's enqueue-to-apply time."""
+    server (qtp: its received counter, summed over the server's processes at ``metrics``), messages applied.
+    Each stage's rate is taken between 10 % and 90 % of the messages; latency is every message's
+    enqueue-to-apply time."""
     stages = {"sent": lambda: rows(client_url, "SELECT COUNT(*) FROM orders")[0][0],
               "applied": lambda: rows(server_url, "SELECT COUNT(*) FROM applied")[0][0]}
     if metrics:
-        stages["stored"] = lambda: counter(metrics, "qtp_messages_received_total") or 0.0
+        stages["stored"] = lambda: _summed(metrics, "qtp_messages_received_total") or 0.0
     if replies:
         stages["replied"] = lambda: rows(client_url, "SELECT COUNT(*) FROM replies")[0][0]
     marks: dict[tuple[str, float], float] = {}
@@ -120,12 +137,18 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
     if cpu is not None:
         result["cpu_ms_per_msg"] = cpu.per_message(len(latencies))
     if metrics:
-        result["applied_on_receipt"] = counter(metrics, "qtp_messages_applied_on_receipt_total")
-        stores = counter(metrics, "qtp_store_messages_count")
+        result["applied_on_receipt"] = _summed(metrics, "qtp_messages_applied_on_receipt_total")
+        stores = _summed(metrics, "qtp_store_messages_count")
         result["messages_per_receiving_commit"] = round(total / stores, 2) if stores else None
     time.sleep(1.5)  # PostgreSQL publishes a backend's counters within a second of it going idle
     result["client_commits_per_msg"] = round((_commits(client_url) - commits) / total, 2)
     return result
+
+
+def _summed(urls: list[str], name: str) -> float | None:
+    """Metric ``name`` summed over the nodes' ``/metrics`` ``urls``; None when none of them has it."""
+    values = [value for value in (counter(url, name) for url in urls) if value is not None]
+    return sum(values) if values else None
 
 
 def _commits(url: str) -> int:
@@ -145,24 +168,45 @@ def _databases_cpu(pg, maria) -> dict[str, int | None]:
 def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, tag: str,
             rate: float | None = None, batch_handler: bool = False, reply: bool = False,
             secret: str | None = None, profile: Path | None = None, polls: bool = False, drain: bool = False,
-            lease: bool = False, standby: bool = False) -> dict:
+            lease: bool = False, standby: bool = False, slots: int = 1, sharing: int = 1, lanes: int = 1) -> dict:
+    """One run of a qtp variant; ``slots`` > 1: the server's ``[lease] slots``, run as ``sharing`` processes
+    (more than one: behind a round-robin LossyProxy without faults), the client with a ``[lease]``; ``lanes``
+    > 1: the client's channel has that many lanes (sequences), each order keyed by its number."""
     client_app, server_app = _fresh(pg, f"tc_{tag}"), _fresh(maria, f"ts_{tag}")
     client_schema(client_app)
     server_schema(server_app)
     stores = {"client_store": _fresh(maria, f"tcs_{tag}"), "server_store": _fresh(pg, f"tss_{tag}")} if other else {}
     pair = Pair(client_app, server_app, reply=reply, secret=secret, client_listens=not (polls or drain),
-                acks_to="poll" if polls else "anonymous", **stores,
+                acks_to="poll" if polls else "anonymous", **stores, proxy_port=free_port() if sharing > 1 else None,
+                client_extra=f"lanes = {lanes}\n" if lanes > 1 else "",
                 limits=f"poll_interval_min = {DRAIN_POLL_S}\npoll_interval_max = {DRAIN_POLL_S}\n"
                        f"max_unacknowledged = {messages + 1}" if drain else "")
     run = folder / tag
     run.mkdir(parents=True, exist_ok=True)
-    client_config, server_config = pair.write(run)
-    if lease or standby:
-        for config in (client_config, server_config):
-            config.write_text(config.read_text() + "\n[lease]\nttl = 10\n")
-    server = NodeProcess(server_config, run / "server.log",
-                         {"QTP_TEST_BATCH_HANDLER": "1"} if batch_handler else {}).start()
+    proxy = None
+    if slots > 1:  # the server's configs with [lease] slots (Replicas), the client's with a [lease] appended
+        replicas = Replicas(pair, servers=sharing, clients=1, ttl=10, slots=slots)
+        configs = replicas.write(run)
+        client_config, server_configs = configs["client"], [configs[name] for name in replicas.names("server")]
+        client_config.write_text(client_config.read_text() + "\n[lease]\nttl = 10\n")
+        if sharing > 1:
+            proxy = LossyProxy(replicas.urls("server"), port=pair.proxy_port, balance="round-robin").start()
+    else:
+        client_config, server_config = pair.write(run)
+        server_configs = [server_config]
+        if lease or standby:
+            for config in (client_config, server_config):
+                config.write_text(config.read_text() + "\n[lease]\nttl = 10\n")
+    servers = [NodeProcess(config, run / f"{config.stem}.log",
+                           {"QTP_TEST_BATCH_HANDLER": "1"} if batch_handler else {}).start()
+               for config in server_configs]
+    server = servers[0]
+    # the first server process took both slots: the client starts once each has its share (the other hands
+    # one back after holding it for twice the ttl)
+    balanced_s = balanced(servers, timeout=3 * 10 + 30) if len(servers) > 1 else None
     sending = {"QTP_TEST_SEND": str(messages), "QTP_TEST_THREADS": str(threads), "QTP_TEST_PAD": str(PAD)}
+    if lanes > 1:
+        sending["QTP_TEST_KEYS"] = "1"
     if rate:
         sending["QTP_TEST_RATE"] = str(rate)
     client = NodeProcess(client_config, run / "client.log", sending)
@@ -175,21 +219,30 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
         standbys[1].start_replica()
         assert all(node.role() == "standby" for node in standbys), "a standby took its node"
     cpu = CpuMeter({"client": client.proc.pid, "server": server.proc.pid, **_databases_cpu(pg, maria),
-                    **{f"{role}_standby": node.proc.pid for role, node in zip(("server", "client"), standbys)}})
-    spies = [_spy(profile / f"{tag}-{role}.txt", proc.proc.pid) for role, proc in (("client", client), ("server", server))
+                    **{f"{role}_standby": node.proc.pid for role, node in zip(("server", "client"), standbys)},
+                    **{f"server_{chr(ord('a') + i)}": node.proc.pid for i, node in enumerate(servers) if i},
+                    **({"proxy": os.getpid()} if proxy else {})})
+    spies = [_spy(profile / f"{tag}-{node.config.stem}.txt", node.proc.pid) for node in (client, *servers)
              ] if profile else []
     try:
-        metrics = f"http://127.0.0.1:{pair.server_port}/metrics"
-        return _measure(server_app, client_app, messages, began, timeout=600 + (DRAIN_POLL_S if drain else 0),
-                        metrics=metrics, cpu=cpu, replies=reply)
+        metrics = [f"http://127.0.0.1:{node.port}/metrics" for node in servers]
+        result = _measure(server_app, client_app, messages, began, timeout=600 + (DRAIN_POLL_S if drain else 0),
+                          metrics=metrics, cpu=cpu, replies=reply)
+        if proxy is not None:
+            result["balanced_s"] = balanced_s
+            answered = proxy.stats()["per_target"]     # requests each server process answered
+            result["per_server"] = {name: answered[url] for name, url in zip(replicas.names("server"),
+                                                                              replicas.urls("server"))}
+        return result
     finally:
         for spy in spies:
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
         client.stop()
-        server.stop()
-        for node in standbys:
+        for node in (*servers, *standbys):
             node.stop()
+        if proxy is not None:
+            proxy.stop()
 
 
 def _standby(config: Path, role: str, env: dict[str, str] | None = None) -> NodeProcess:
@@ -314,9 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", default="1,16")
-    parser.add_argument("--variants", default="a,b,r,s,c", help="a, A, L, R, b, r, p, d (qtp), s (strong), c (serial); see above")
+    parser.add_argument("--variants", default="a,b,r,s,c",
+                        help="a, A, L, R, S1, S2, b, r, p, d (qtp), s (strong), c (serial); see above")
     parser.add_argument("--rate", type=float, default=None, help="pace the senders at this many messages/s")
     parser.add_argument("--batch-handler", action="store_true", help="the qtp server applies with a batch handler")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="lanes of the qtp client's channel (orders keyed by number): with one, all the orders "
+                             "travel in one sequence, which one slot of (S1)/(S2) works")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", type=Path, help="record the qtp nodes with py-spy (collapsed stacks) in this folder")
@@ -336,11 +393,12 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_qtp(pg, maria, folder, args.messages, threads, variant == "b", tag, args.rate,
                                 args.batch_handler, reply=variant in ("r", "p", "d"), polls=variant == "p",
                                 drain=variant == "d",
-                                secret=secrets.token_urlsafe(32) if variant == "A" else None, lease=variant == "L",
-                                standby=variant == "R",
-                                profile=args.profile)
+                                secret=secrets.token_urlsafe(32) if variant == "A" else None,
+                                lease=variant in ("L", "S1", "S2"), standby=variant == "R",
+                                slots=SLOTS if variant in ("S1", "S2") else 1, sharing=2 if variant == "S2" else 1,
+                                lanes=args.lanes, profile=args.profile)
                 r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate,
-                         batch_handler=args.batch_handler)
+                         batch_handler=args.batch_handler, lanes=args.lanes)
                 results.append(r)
                 print(json.dumps(r), flush=True)
     summary = summarise(results)
@@ -350,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarise(results: list[dict]) -> dict:
-    """Medians per thread count and variant; each qtp variant's ratio to (s), and to (c), of the same rounds."""
+    """Medians per thread count and variant; each qtp variant's ratio to (s), and to (c), of the same rounds;
+    (S1) and (S2) also to (L)."""
     summary: dict = {}
     for threads in sorted({r["threads"] for r in results}):
         row = {}
@@ -364,14 +423,14 @@ def summarise(results: list[dict]) -> dict:
                 row[variant]["cpu_ms_per_msg"] = {
                     proc: round(statistics.median(r["cpu_ms_per_msg"][proc] for r in runs), 3)
                     for proc in runs[0].get("cpu_ms_per_msg", {})}
-        for base in ("s", "c"):
+        for base, variants in (("s", QTP_VARIANTS), ("c", QTP_VARIANTS), ("L", ("S1", "S2"))):
             if base in row and row[base]["rate"]:
-                for variant in ("a", "A", "L", "R", "b", "r", "p", "d"):
+                for variant in variants:
                     if variant in row:
                         row[variant][f"ratio_to_{base}"] = round(row[variant]["rate"] / row[base]["rate"], 2)
         summary[threads] = row
         for variant, x in row.items():
-            ratios = "".join(f" = {x[k]:.2f}x ({k[-1]})" for k in ("ratio_to_s", "ratio_to_c") if k in x)
+            ratios = "".join(f" = {x[k]:.2f}x ({k[-1]})" for k in ("ratio_to_s", "ratio_to_c", "ratio_to_L") if k in x)
             cpu = " ".join(f"{proc} {ms:.2f}" for proc, ms in x["cpu_ms_per_msg"].items())
             replied = f"; replies {x['replied_rate']:.0f}/s" if x.get("replied_rate") else ""
             commits = f"; client commits/msg {x['client_commits_per_msg']:.2f}" if "client_commits_per_msg" in x else ""

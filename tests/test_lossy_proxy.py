@@ -1,6 +1,7 @@
 """The lossy proxy does what it is told: forwards faithfully, loses, duplicates, delays, reorders, stays bounded
-and on loopback, and fails over between replicas. Against real HTTP echo servers (and a port that refuses, a
-listener that never answers); waits are on counts with generous bounds, never on timing."""
+and on loopback, fails over between replicas, and spreads requests over them in turn (round-robin). Against
+real HTTP echo servers (and a port that refuses, a listener that never answers); waits are on counts with
+generous bounds, never on timing."""
 
 from __future__ import annotations
 
@@ -375,3 +376,80 @@ def test_the_command_line_prints_its_url_and_forwards(echo: Echo, refusing: str)
     assert echo.bodies() == [b"<e/>", b"<e/>"]
     refused = shared().run(*command[2:5], "--host", "0.0.0.0")
     assert refused.returncode == 2 and "127.0.0.1 only" in refused.stderr
+
+
+def test_round_robin_spreads_the_requests_over_every_target_in_turn(replicas: Callable[[int], list[Echo]]) -> None:
+    a, b = replicas(2)
+    with LossyProxy([a.url, b.url], balance="round-robin") as proxy:
+        answers = [_post(proxy.url + "/rm", str(i).encode()).content for i in range(6)]
+        counts = proxy.stats()
+    assert answers == [str(i).encode() for i in range(6)]
+    assert (a.bodies(), b.bodies()) == ([b"0", b"2", b"4"], [b"1", b"3", b"5"])
+    assert counts["per_target"] == {a.url: 3, b.url: 3}
+    assert (counts["forwarded"], counts["failovers"], counts["switches"], counts["errors"]) == (6, 0, 0, 0)
+
+
+def test_round_robin_sends_the_copies_of_a_duplicated_request_to_two_targets(
+        replicas: Callable[[int], list[Echo]]) -> None:
+    a, b = replicas(2)
+    bodies = [f"<m{i}/>".encode() for i in range(4)]
+    with LossyProxy([a.url, b.url], balance="round-robin", duplicate_request=1.0, seed=3) as proxy:
+        answers = [_post(proxy.url + "/rm", body).content for body in bodies]
+        counts = proxy.stats()
+    assert answers == bodies
+    assert sorted(a.bodies()) == sorted(b.bodies()) == sorted(bodies)
+    assert counts["per_target"] == {a.url: 4, b.url: 4}
+
+
+@pytest.mark.parametrize("dead", ["refusing", "silent"])
+def test_round_robin_skips_a_dead_target_for_down_s_then_tries_it_again(echo: Echo, dead: str,
+                                                                       request: pytest.FixtureRequest) -> None:
+    gone = request.getfixturevalue(dead)
+    cause = "refused" if dead == "refusing" else "silent"
+    with LossyProxy([gone, echo.url], balance="round-robin", failover_s=0.3, down_s=3.0) as proxy:
+        answers = [_post(proxy.url + "/rm", str(i).encode()).content for i in range(4)]  # turns: dead, echo, ...
+        skipped = proxy.stats()
+        time.sleep(3.2)                                       # no longer down: the 5th request's turn tries it
+        assert _post(proxy.url + "/rm", b"4").content == b"4"
+        counts = proxy.stats()
+    assert answers == [b"0", b"1", b"2", b"3"] and echo.bodies() == [b"0", b"1", b"2", b"3", b"4"]
+    # passed over on the first request; on the third (its turn again) skipped, as down
+    assert (skipped["failovers"], skipped[f"failovers_{cause}"], skipped["errors"]) == (1, 1, 0)
+    assert (counts["failovers"], counts[f"failovers_{cause}"]) == (2, 2)
+    assert counts["per_target"] == {gone: 0, echo.url: 5}
+
+
+def test_round_robin_with_every_target_dead_closes_the_connection_and_relays_a_503(
+        replicas: Callable[[int], list[Echo]], refusing: str, silent: str) -> None:
+    with LossyProxy([refusing, silent], balance="round-robin", failover_s=0.3, down_s=30) as proxy:
+        for body in (b"<a/>", b"<b/>"):              # the second time both are down, and still tried
+            with pytest.raises(requests.ConnectionError):
+                _post(proxy.url + "/rm", body)
+        counts = proxy.stats()
+    assert {k: counts[k] for k in ("failovers", "failovers_refused", "failovers_silent", "errors", "forwarded")} == \
+        {"failovers": 2, "failovers_refused": 1, "failovers_silent": 1, "errors": 2, "forwarded": 0}
+    a, b = replicas(2)
+    a.mode = b.mode = "busy"
+    with LossyProxy([a.url, b.url], balance="round-robin") as proxy:
+        assert _post(proxy.url + "/rm", b"<c/>").status_code == 503
+        counts = proxy.stats()
+    assert a.bodies() == b.bodies() == [b"<c/>"]
+    assert (counts["failovers_503"], counts["forwarded"], counts["switches"]) == (1, 1, 0)
+    assert sum(counts["per_target"].values()) == 1
+
+
+def test_round_robin_is_checked_and_on_the_command_line(echo: Echo) -> None:
+    with pytest.raises(ConfigurationError, match="balance"):
+        LossyProxy(echo.url, balance="random")
+    command = [sys.executable, "-m", "qtp.testing.lossy_proxy", "--target", echo.url, "--target", echo.url + "/",
+               "--balance", "round-robin", "--down-s", "2"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().strip()
+        for body in (b"<a/>", b"<b/>"):
+            assert _post(url + "/rm", body).content == body
+        counts = requests.get(url + "/__proxy__/stats", timeout=30).json()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    assert counts["forwarded"] == 2 and counts["switches"] == 0

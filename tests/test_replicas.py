@@ -1,6 +1,7 @@
-"""The harness for a node run as several replicas (qtp.testing.nodes): their configs, the node processes'
-roles, pause and resume, and a replicated server behind a failover proxy (qtp.testing.lossy_proxy) taking
-over from a killed owner and from a paused one, which exits 75 without writing."""
+"""The harness for a node run as several replicas (qtp.testing.nodes): their configs (owner and standbys, or
+sharing the work in slots), the node processes' roles, pause and resume, and a replicated server behind a
+failover proxy (qtp.testing.lossy_proxy) taking over from a killed owner and from a paused one, which exits 75
+without writing."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import requests
 from qtp.embedded import free_port
 from qtp.testing.lossy_proxy import LossyProxy
 from qtp.testing.nodes import (LOST_LEASE_LINE, LOST_LEASE_STATUS, TOOK_OVER_LINE, NodeProcess, Pair, Replicas,
-                               applied_id_mark, check_exactly_once, client_schema, rows, server_schema, wait_until)
+                               applied_id_mark, balanced, check_exactly_once, client_schema, rows, server_schema,
+                               wait_until)
 
 
 def _read(path: Path) -> dict:
@@ -43,6 +45,36 @@ def test_replicas_share_a_config_but_for_log_dir_and_listen_and_are_reached_thro
         assert configs[names[0]]["lease"] == {"ttl": 2.5, "standby": "wait"}
     assert configs["client-a"]["channels"]["orders"]["peer"] == f"http://127.0.0.1:{pair.proxy_port}/rm"
     assert len(set(replicas.ports.values())) == 5
+
+
+def test_server_replicas_with_slots_share_the_work_behind_a_round_robin_proxy(tmp_path: Path) -> None:
+    pair = Pair("postgresql://u@127.0.0.1/c", "mysql+pymysql://u@127.0.0.1/s",
+                proxy_port=free_port(), back_proxy_port=free_port())
+    replicas = Replicas(pair, servers=2, clients=2, ttl=3, slots=4)
+    paths = replicas.write(tmp_path)
+    configs = {name: _read(path) for name, path in paths.items()}
+    assert configs["server-a"]["lease"] == configs["server-b"]["lease"] == {"ttl": 3, "slots": 4}
+    assert configs["client-a"]["lease"] == {"ttl": 3, "standby": "wait"}      # the client: owner and standby
+    assert _without_own(configs["server-a"]) == _without_own(configs["server-b"])
+    assert configs["server-b"]["node"]["endpoint"] == f"http://127.0.0.1:{pair.proxy_port}/rm"
+    assert (replicas.balance("server"), replicas.balance("client")) == ("round-robin", "failover")
+    assert [NodeProcess(paths[n], tmp_path / f"{n}.log").slots for n in ("server-a", "client-a")] == [4, 1]
+    (tmp_path / "server-a.log").write_text("took slot 0 of node server-x (epoch 1); this process holds slots [0]\n"
+                                           "took slot 3 of node server-x (epoch 2); ... holds slots [0, 3]\n"
+                                           "node server-x: this process gives slot 0 back: its lease was lost\n")
+    logged = NodeProcess(paths["server-a"], tmp_path / "server-a.log")
+    assert (logged.slots_taken(), logged.slots_given_back(), logged.slots_held()) == ([0, 3], [0], [3])
+    other = NodeProcess(paths["server-b"], tmp_path / "server-b.log")
+    (tmp_path / "server-b.log").write_text("took slot 0 of node server-x (epoch 3); ... holds slots [0]\n")
+    with pytest.raises(AssertionError, match="sharing 4 slots"):     # slots 1 and 2 held by nobody
+        balanced([logged, other], timeout=0.3)
+    with open(tmp_path / "server-b.log", "a") as log:
+        log.write("took slot 1 of node server-x (epoch 1); ...\ntook slot 2 of node server-x (epoch 1); ...\n")
+    assert balanced([logged, other], timeout=5) < 5
+    assert Replicas(pair, servers=2, clients=2).balance("server") == "failover"
+    (tmp_path / "one").mkdir()
+    one = Replicas(pair, servers=1, clients=1, slots=2).write(tmp_path / "one")   # one process holds every slot
+    assert _read(one["server"])["lease"] == {"ttl": 10, "slots": 2} and "lease" not in _read(one["client"])
 
 
 def test_one_replica_is_the_pair_as_it_was(tmp_path: Path) -> None:

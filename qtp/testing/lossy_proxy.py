@@ -51,6 +51,18 @@ target and sent to the next one reaches the node twice if the paused process lat
 more duplicate for WS-RM to discard. With one target, nothing changes: its answers, 503 included, are
 relayed, and ``failover_s`` (default: ``timeout``) bounds the wait for them.
 
+Round-robin (``balance="round-robin"``): the replicas of a node that share its work (``[lease] slots``) all
+serve, so the balancer spreads the requests over all of them instead of keeping to a current one. Each copy
+of a request goes to the next target in turn (the two copies of a duplicated request to two targets, when
+there are two); the failover above still applies to it, from that target on, and a target that refused the
+connection or was silent for ``failover_s`` is also marked down for ``down_s`` seconds: copies then skip it,
+and try it only after every target that is not down (so with all of them down, each is still tried once, and
+the answer is as above: the connection closed, or a ``503`` relayed). There is no current target:
+``switches`` stays 0, ``current`` is the target that answered last.
+
+With several targets, ``stats`` also gives ``per_target``: for each target's URL, the copies it answered
+(the split of ``forwarded``).
+
 Everything else is forwarded faithfully: method, path and query, headers except the hop-by-hop ones, body;
 the target's status, headers and body come back unchanged. The proxy listens on 127.0.0.1 and forwards to
 loopback only (a tool that loses messages on purpose must not be reachable from a network), it is bounded
@@ -68,6 +80,7 @@ Command line (prints its URL on the first line of stdout, runs until SIGTERM or 
 
     python -m qtp.testing.lossy_proxy --target http://127.0.0.1:8002 --drop-request 0.1 --seed 7
     python -m qtp.testing.lossy_proxy --target http://127.0.0.1:8002 --target http://127.0.0.1:8003 --failover-s 2
+    python -m qtp.testing.lossy_proxy --target http://127.0.0.1:8002 --target http://127.0.0.1:8003 --balance round-robin
 """
 
 from __future__ import annotations
@@ -81,6 +94,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass, fields, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -93,13 +107,15 @@ DEFAULT_MAX_BODY = 16 * 1024 * 1024
 CONTROL_PREFIX = "/__proxy__/"
 STATS_PATH = CONTROL_PREFIX + "stats"
 FAULTS_PATH = CONTROL_PREFIX + "faults"
+BALANCES = ("failover", "round-robin")  # see the module's *Failover* and *Round-robin*
+DEFAULT_DOWN_S = 1.0
 
 #: requests: client requests seen (control paths and refused ones excluded); forwarded: copies the target
 #: answered; duplicated: requests sent twice; delayed: directions delayed (two per exchange at most);
 #: reordered: requests held back; rejected: answered 400/413 by the proxy; errors: copies no target answered
 #: (failed or timed out); failovers: copies sent on to the next target, of which failovers_<cause>: because the
 #: one before refused the connection, reset it before answering, answered 503, or was silent for failover_s;
-#: switches: times the current target changed.
+#: switches: times the current target changed (failover only). With several targets, ``stats`` adds per_target.
 FAILOVER_CAUSES = ("refused", "reset", "503", "silent")
 COUNTERS = ("requests", "forwarded", "dropped_requests", "dropped_responses", "duplicated", "delayed",
             "reordered", "rejected", "errors", "failovers", *(f"failovers_{cause}" for cause in FAILOVER_CAUSES),
@@ -263,20 +279,23 @@ def _read_response(reply: http.client.HTTPResponse, method: str, max_body: int) 
 
 class LossyProxy:
     """An HTTP proxy on 127.0.0.1 that loses, duplicates, delays and reorders messages to one target, or to
-    the current one of several with failover.
+    several: the current one with failover, or each in turn (round-robin).
 
     ``LossyProxy(target, drop_request=0.1, seed=7).start()`` binds at construction (so ``port`` and ``url``
     are known before ``start``), serves on background threads after ``start()``, and is closed by ``stop()``
     or by leaving a ``with`` block. Connections beyond ``max_connections`` wait until one ends. ``target`` is
     one URL or a list of them (replicas of one node, the first one current at the start); ``failover_s``
-    bounds the wait for a target's first byte of answer (default: ``timeout``).
+    bounds the wait for a target's first byte of answer (default: ``timeout``). ``balance`` is "failover"
+    (one current target) or "round-robin" (each copy to the next target; one that refused or was silent is
+    skipped for ``down_s`` seconds).
     """
 
     def __init__(self, target: str | list[str] | tuple[str, ...], *, host: str = BIND_HOST, port: int = 0,
                  drop_request: float = 0.0, drop_response: float = 0.0, duplicate_request: float = 0.0,
                  delay: float = 1.0, delay_ms: tuple[float, float] = (0, 0), reorder: float = 0.0,
                  reorder_max_ms: float = 0, seed: int | None = None, max_body: int = DEFAULT_MAX_BODY,
-                 max_connections: int = 64, timeout: float = 30.0, failover_s: float | None = None) -> None:
+                 max_connections: int = 64, timeout: float = 30.0, failover_s: float | None = None,
+                 balance: str = "failover", down_s: float = DEFAULT_DOWN_S) -> None:
         if host != BIND_HOST:
             raise ConfigurationError(f"the lossy proxy listens on {BIND_HOST} only (it loses messages on "
                                      f"purpose and must not be reachable from a network), not {host!r}")
@@ -284,12 +303,19 @@ class LossyProxy:
         if max_body < 0 or max_connections < 1 or timeout <= 0 or failover_s <= 0:
             raise ConfigurationError(f"need max_body >= 0, max_connections >= 1, timeout > 0, failover_s > 0; "
                                      f"got {max_body}, {max_connections}, {timeout}, {failover_s}")
+        if balance not in BALANCES or down_s < 0:
+            raise ConfigurationError(f"balance is one of {list(BALANCES)} and down_s >= 0; got {balance!r}, {down_s}")
         urls = [target] if isinstance(target, str) else list(target)
         if not urls:
             raise ConfigurationError("the lossy proxy needs at least one target")
         self._targets = [_Target.parse(url) for url in urls]
         self._current = 0
         self.failover_s = failover_s
+        self.balance = balance
+        self.down_s = down_s
+        self._next = 0                                      # round-robin: the target the next copy starts at
+        self._down_until = [0.0] * len(self._targets)       # round-robin: skipped until then (time.monotonic)
+        self._answered = [0] * len(self._targets)
         self._faults = Faults().changed(dict(
             drop_request=drop_request, drop_response=drop_response, duplicate_request=duplicate_request,
             delay=delay, delay_ms=delay_ms, reorder=reorder, reorder_max_ms=reorder_max_ms))
@@ -346,10 +372,14 @@ class LossyProxy:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def stats(self) -> dict[str, int]:
-        """A snapshot of the counters (see ``COUNTERS``)."""
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of the counters (see ``COUNTERS``); with several targets also ``per_target``, the copies
+        each target answered by its URL."""
         with self._lock:
-            return dict(self._counts)
+            counts: dict[str, Any] = dict(self._counts)
+            if len(self._targets) > 1:
+                counts["per_target"] = {target.url: n for target, n in zip(self._targets, self._answered)}
+            return counts
 
     def faults(self) -> dict[str, Any]:
         """The current faults, as ``set_faults`` takes them."""
@@ -395,28 +425,32 @@ class LossyProxy:
         return [first, *copy]
 
     def _send(self, request: _Request) -> _Response | None:
-        """Forward one copy to the current target, on to the next ones while they give no answer (see the
-        module's *Failover*); None (counted as an error) when none answered, or an answer broke off or
-        overflowed."""
+        """Forward one copy to the current target (round-robin: the next one), on to the next ones while they
+        give no answer (see the module's *Failover*); None (counted as an error) when none answered, or an
+        answer broke off or overflowed."""
         busy = None
-        order = self._failover_order()
+        order = self._round_robin_order() if self.balance == "round-robin" else self._failover_order()
         for tried, index in enumerate(order, 1):
             try:
                 response = self._targets[index].send(request, self.failover_s, self.timeout, self.max_body)
             except _Unanswered as exc:
                 cause = exc.cause
+                if cause in ("refused", "silent"):
+                    self._mark_down(index)
             except (OSError, http.client.HTTPException, _TooLarge):
                 break
             else:
                 if response.status != 503:
                     self._answered_by(index)
                     return response
-                busy, cause = response, "503"
+                busy, cause = (index, response), "503"
             if tried < len(order):
                 self._count("failovers", f"failovers_{cause}")
         if busy is not None:
-            self._count("forwarded")
-            return busy
+            with self._lock:
+                self._counts["forwarded"] += 1
+                self._answered[busy[0]] += 1
+            return busy[1]
         self._count("errors")
         return None
 
@@ -426,12 +460,29 @@ class LossyProxy:
             first = self._current
         return [(first + step) % len(self._targets) for step in range(len(self._targets))]
 
+    def _round_robin_order(self) -> list[int]:
+        """Every target's index once, from the next one in turn; those marked down after the others."""
+        with self._lock:
+            first = self._next
+            self._next = (first + 1) % len(self._targets)
+            now = time.monotonic()
+            ring = [(first + step) % len(self._targets) for step in range(len(self._targets))]
+            down = [index for index in ring if self._down_until[index] > now]
+        return [index for index in ring if index not in down] + down
+
+    def _mark_down(self, index: int) -> None:
+        if self.balance == "round-robin":
+            with self._lock:
+                self._down_until[index] = time.monotonic() + self.down_s
+
     def _answered_by(self, index: int) -> None:
         with self._lock:
             self._counts["forwarded"] += 1
+            self._answered[index] += 1
             if index != self._current:
                 self._current = index
-                self._counts["switches"] += 1
+                if self.balance == "failover":
+                    self._counts["switches"] += 1
 
     def _delay(self) -> bool:
         """Maybe delay one direction; False when the proxy stopped meanwhile (the message is then lost)."""
@@ -652,6 +703,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="base URL to forward to (loopback only); repeated: replicas, with failover")
     parser.add_argument("--failover-s", type=float, default=None, metavar="SECONDS",
                         help="a target silent this long is passed over for the next (default: --timeout)")
+    parser.add_argument("--balance", choices=BALANCES, default="failover",
+                        help="several targets: one current with failover, or each in turn (round-robin)")
+    parser.add_argument("--down-s", type=float, default=DEFAULT_DOWN_S, metavar="SECONDS",
+                        help="round-robin: a target that refused or was silent is skipped this long")
     parser.add_argument("--host", default=BIND_HOST, help=f"address to listen on ({BIND_HOST} only)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: a free one)")
     for name in ("drop_request", "drop_response", "duplicate_request", "reorder"):

@@ -5,7 +5,10 @@ A node may also run as several replicas (``Replicas``): processes with the same 
 folder and listening port, as on hosts of their own, sharing the node's identity through the ``[lease]`` in
 its store. One owns the node and serves; the others wait inside ``Node.from_config`` as standbys, listening
 on nothing, until the owner's lease runs out. Peers reach the node through a proxy in front of all its
-replicas (``qtp.testing.lossy_proxy`` with several targets fails over to the one that answers)."""
+replicas (``qtp.testing.lossy_proxy`` with several targets fails over to the one that answers). With
+``Replicas.slots`` > 1 the server's replicas share its work instead (``[lease] slots``): each holds some of
+the node's slots and serves from its start, and the proxy in front of them sends each request to the next
+replica in turn (``Replicas.balance``)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -201,8 +205,13 @@ class Replicas:
     replica its own), with a ``[lease]`` of ``ttl`` seconds, and the node's endpoint the proxy in front of its
     replicas: ``pair.proxy_port`` for the server (the client's channel peer already), ``pair.back_proxy_port``
     for the client. The proxies are the caller's: one LossyProxy per side with that side's ``urls`` as
-    targets. A node of one replica keeps the config ``Pair.write`` writes (named ``server`` or ``client``,
-    no lease)."""
+    targets and ``balance(role)`` as its balance. A node of one replica keeps the config ``Pair.write``
+    writes (named ``server`` or ``client``, no lease).
+
+    ``slots`` > 1: the server's replicas share its work, ``[lease] slots = slots`` in each one's config (with
+    the ttl; no standby setting, which slots make irrelevant); every replica serves, so the proxy in front of
+    them balances round-robin. A server of one replica then gets that ``[lease]`` too (one process holding
+    every slot). The client's replicas stay owner and standbys."""
 
     pair: Pair
     servers: int = 2
@@ -210,6 +219,7 @@ class Replicas:
     ttl: float = 10.0
     standby: str = "wait"
     ports: dict[str, int] = field(default_factory=dict)  # replica name -> the port it listens on
+    slots: int = 1                                        # the server's [lease] slots (1: no slots)
 
     def __post_init__(self) -> None:
         if self.servers > 1 and self.pair.proxy_port is None or \
@@ -229,16 +239,29 @@ class Replicas:
         """Where the replicas of node ``role`` listen: the targets of the proxy in front of them."""
         return [f"http://127.0.0.1:{self.ports[name]}" for name in self.names(role)]
 
+    def balance(self, role: str) -> str:
+        """How the proxy in front of node ``role`` spreads requests (LossyProxy's ``balance``): round-robin
+        over replicas that share the work (the server with slots), else failover to the one that owns it."""
+        return "round-robin" if role == "server" and self.slots > 1 else "failover"
+
+    def lease(self, role: str) -> str:
+        """The ``[lease]`` section of node ``role``'s replicas."""
+        if role == "server" and self.slots > 1:
+            return f'\n[lease]\nttl = {self.ttl:g}\nslots = {self.slots}\n'
+        return f'\n[lease]\nttl = {self.ttl:g}\nstandby = "{self.standby}"\n'
+
     def write(self, folder: Path) -> dict[str, Path]:
         """Write every replica's config to ``folder`` (``<name>.toml``); replica name -> its config."""
         advertised = self.pair.proxy_port if self.servers > 1 else None
         texts = dict(zip(("client", "server"), self.pair.texts(folder, server_advertised=advertised)))
-        lease = f'\n[lease]\nttl = {self.ttl:g}\nstandby = "{self.standby}"\n'
         configs = {}
         for role, toml in texts.items():
             for name in self.names(role):
                 configs[name] = folder / f"{name}.toml"
-                configs[name].write_text(toml if name == role else self._own(toml, folder, name) + lease)
+                if name != role:
+                    configs[name].write_text(self._own(toml, folder, name) + self.lease(role))
+                else:  # one process: no lease, but for one that holds every slot
+                    configs[name].write_text(toml + (self.lease(role) if self.balance(role) == "round-robin" else ""))
         return configs
 
     def _own(self, toml: str, folder: Path, name: str) -> str:
@@ -256,15 +279,18 @@ LAUNCH: Callable[[list[str], dict[str, str], Path], Any] | None = None
 
 
 #: What a replica's log says (qtp.coordinator's lease) when it starts waiting for the lease, when it gets it,
-#: and when it finds it lost it (it then exits with LOST_LEASE_STATUS, EX_TEMPFAIL).
+#: and when it finds it lost it (it then exits with LOST_LEASE_STATUS, EX_TEMPFAIL); with slots, each slot it
+#: takes ("took slot <k> of node <id>") and gives back ("node <id>: this process gives slot <k> back: <why>").
 STANDBY_LINE, TOOK_OVER_LINE, LOST_LEASE_LINE = b"standby for node", b"took over node", b"lost the lease of node"
+TOOK_SLOT, GAVE_SLOT = re.compile(rb"took slot (\d+) of node"), re.compile(rb"gives slot (\d+) back")
+_SLOT_EVENT = re.compile(rb"(took|gives) slot (\d+) (?:of node|back)")
 LOST_LEASE_STATUS = 75
 
 
 class NodeProcess:
     """``qtp serve --app qtp.testing.e2e_app:node`` (or another ``app``) for one config; ``start``, ``kill``
     (SIGKILL), ``stop``; for a replica of a node (``Replicas``), ``start_replica`` and ``role``; ``pause``
-    (SIGSTOP) and ``resume`` (SIGCONT)."""
+    (SIGSTOP) and ``resume`` (SIGCONT). ``slots``: the config's ``[lease] slots`` (1 without)."""
 
     def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None,
                  app: str = "qtp.testing.e2e_app:node"):
@@ -281,14 +307,39 @@ class NodeProcess:
         if self.port is not None:  # post_as signs for the node listening there
             _NODE_IDS[self.port] = next(line for line in text.splitlines() if line.startswith("id =")).split('"')[1]
         self.scheme = "https" if "\ntls_cert" in text else "http"
+        self.slots = int(tomllib.loads(text).get("lease", {}).get("slots", 1))
 
     def start(self, timeout: float = 60.0) -> "NodeProcess":
         """Start the process; return once it serves (raises RuntimeError if it exits or takes ``timeout``)."""
         return self.launch()._await(self.serving, timeout)
 
     def start_replica(self, timeout: float = 60.0) -> "NodeProcess":
-        """Start a replica; return once it is the owner (it serves) or a standby (waiting for the lease)."""
+        """Start a replica; return once it is the owner (it serves) or a standby (waiting for the lease); a
+        replica sharing the work (``slots`` > 1) once it serves (``start_sharing``)."""
+        if self.slots > 1:
+            return self.start_sharing(timeout)
         return self.launch()._await(lambda: self.role() in ("owner", "standby"), timeout)
+
+    def start_sharing(self, timeout: float = 60.0) -> "NodeProcess":
+        """Start a replica that shares the node's work with the others (``[lease] slots``): it serves HTTP from
+        its start, whatever slots it holds, so return once /health answers 200 on its listen port."""
+        return self.launch()._await(self.serving, timeout)
+
+    def slots_taken(self) -> list[int]:
+        """The slots its log says it took since it was started, in that order (a slot again when it took it
+        again after losing it)."""
+        return [int(k) for k in TOOK_SLOT.findall(self.said())]
+
+    def slots_given_back(self) -> list[int]:
+        """The slots its log says it gave back since it was started (its lease lost, more than its share, stopping)."""
+        return [int(k) for k in GAVE_SLOT.findall(self.said())]
+
+    def slots_held(self) -> list[int]:
+        """The slots it holds as far as its log says: taken and not given back since."""
+        held: set[int] = set()
+        for event, k in _SLOT_EVENT.findall(self.said()):
+            (held.add if event == b"took" else held.discard)(int(k))
+        return sorted(held)
 
     def launch(self) -> "NodeProcess":
         """Start the process and return at once."""
@@ -336,13 +387,14 @@ class NodeProcess:
 
     def role(self) -> str:
         """``dead`` (not running), ``paused`` (by ``pause``), ``owner`` (it serves), ``standby`` (its log since
-        the start says it waits for the lease and not that it took over), else ``starting``."""
+        the start says it waits for the lease and not that it took over), else ``starting``; a replica that
+        shares the work (``slots`` > 1) is ``sharing`` once it serves."""
         if not self.alive():
             return "dead"
         if self.paused:
             return "paused"
         if self.serving():
-            return "owner"
+            return "sharing" if self.slots > 1 else "owner"
         said = self.said()
         return "standby" if STANDBY_LINE in said and TOOK_OVER_LINE not in said else "starting"
 
@@ -408,6 +460,22 @@ def owner_of(replicas: list[NodeProcess], timeout: float = 0.0) -> NodeProcess |
         if found is not None or time.monotonic() >= deadline:
             return found
         time.sleep(0.1)
+
+
+def balanced(replicas: list[NodeProcess], timeout: float) -> float:
+    """Wait until replicas that share the work hold every slot between them, as far as their logs say, and
+    each holds one at least (with fewer slots than replicas: as many replicas as slots). A replica that joins
+    gets its share only once another hands one back, which that one does for a slot it has held for twice the
+    lease's ttl. Returns the seconds waited; raises AssertionError after ``timeout``."""
+    began = time.monotonic()
+    count = replicas[0].slots
+
+    def shared() -> bool:
+        held = [node.slots_held() for node in replicas]
+        return len(set().union(*held)) == count and sum(1 for slots in held if slots) == min(count, len(replicas))
+
+    wait_until(shared, timeout, f"{len(replicas)} replicas sharing {count} slots")
+    return round(time.monotonic() - began, 3)
 
 
 def _stopped(pid: int) -> bool:
