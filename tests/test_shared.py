@@ -91,6 +91,10 @@ def test_two_replicas_share_a_channels_lanes_and_one_takes_the_others_slot_when_
             mine = set(rows(server_app, f"SELECT DISTINCT seq FROM applied WHERE pid = {b.proc.pid}"))
             theirs = set(rows(server_app, f"SELECT DISTINCT seq FROM applied WHERE pid = {a.proc.pid}"))
             assert mine and theirs and not mine & theirs  # a sequence is worked by one replica
+            # /metrics of a replica: each slot it holds, labelled; a 503 for a slot nobody holds is a SOAP fault
+            metrics = requests.get(f"http://127.0.0.1:{replicas.ports['server-a']}/metrics", timeout=10).text
+            assert {int(k) for k in re.findall(r'qtp_messages_delivered_total\{[^}]*slot="(\d+)"', metrics)} == \
+                set(_slots_of(a)) - set(_slots_of(b))
             b.kill()
             wait_until(lambda: _slots_of(a).count(_slots_of(b)[0]) == 2, 30, "server-a taking server-b's slot")
             wait_until(lambda: applied() >= 600, 180, "every order applied")
@@ -211,3 +215,43 @@ def test_signed_requests_are_checked_by_the_slot_whichever_replica_they_reach(pg
             for node in (client, a, b):
                 node.kill()
     check_exactly_once(client_app, server_app, reply=True)
+
+
+def test_create_sequences_spread_evenly_over_the_slots_and_a_retransmitted_one_gets_its_sequence_anywhere(
+        pg_db, tmp_path: Path) -> None:
+    from qtp.testing.nodes import post_as, request
+    from qtp.wsrm.codec import decode
+    from qtp.wsrm.protocol import CreateSequence
+
+    anonymous = "http://www.w3.org/2005/08/addressing/anonymous"
+    server_app = pg_db("server")
+    server_schema(server_app)
+    pair = Pair(pg_db("client"), server_app, proxy_port=free_port())
+    replicas = Replicas(pair, servers=2, clients=1, ttl=2)
+    configs = replicas.write(tmp_path)
+    for name in ("server-a", "server-b"):
+        _share(configs[name], 2)
+    a, b = (NodeProcess(configs[name], tmp_path / f"{name}.log") for name in ("server-a", "server-b"))
+    url = lambda node: f"http://127.0.0.1:{replicas.ports[node]}/rm"  # noqa: E731
+
+    def create(where: str, message_id: str) -> str:
+        answer = post_as(where, request(CreateSequence(anonymous), message_id=message_id), None, "")
+        assert answer.status_code == 200, answer.text
+        return decode(answer.content).body.identifier
+
+    try:
+        _serving(a)
+        wait_until(lambda: len(_slots_of(a)) == 2, 30, "server-a holding both slots")
+        ids = [f"urn:uuid:{uuid}" for uuid in ("0" * 31 + str(k) for k in range(6))]
+        made = [create(url("server-a"), m) for m in ids]
+        slot = lambda identifier: int(re.search(r":s(\d+):", identifier).group(1))  # noqa: E731
+        assert sorted(slot(i) for i in made) == [0, 0, 0, 1, 1, 1]
+        assert create(url("server-a"), ids[0]) == made[0]
+        _serving(b)
+        wait_until(lambda: len(_slots_of(b)) == 1, 30, "server-b taking a slot")
+        # through either replica, whichever holds the slot now: the sequence made for that MessageID
+        assert [create(url("server-b"), m) for m in ids] == made
+        assert [create(url("server-a"), m) for m in ids] == made
+    finally:
+        for node in (a, b):
+            node.kill()

@@ -19,8 +19,9 @@ holds more than its share (a replica joined), by closing that slot cleanly, so t
 
 - a sequence this node made names its slot: identifiers are ``urn:qtp:<node>:s<k>:<uuid>`` (the
   destination's, and the Offers' for replies), and an AcksTo of this node says ``?qtp-slot=k``;
-- a CreateSequence goes to the slot its MessageID hashes to, so a retransmitted one reaches the slot that
-  made the sequence, and a channel's lanes (one sequence each) spread over the slots;
+- a CreateSequence goes to the slot given the fewest in the last hour, and that choice is kept by its MessageID
+  (``qtp_node_route``), so a retransmitted one reaches the slot that made the sequence whichever replica it
+  reaches, and a channel's lanes (one sequence each) spread evenly over the slots;
 - a MakeConnection poll without an identifier of ours goes to the slots in turn (each keeps its own replies);
 - anything else (a sequence made before the node had slots) to slot 0.
 
@@ -53,15 +54,19 @@ from urllib.parse import parse_qs, urlsplit
 
 import requests
 import sqlalchemy
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from qtp.config import load_config
 from qtp.errors import ConfigurationError, QtpError
-from qtp.xa import normalize_url
+from qtp.wsrm.runtime._endpoint import Endpoint, _bare_fault
 from qtp.wsrm.runtime._http import HttpServer
 from qtp.wsrm.runtime._ids import SLOT_QUERY
 from qtp.wsrm.runtime._node import Node, _listen_address
 from qtp.wsrm.runtime._security import BOOT_HEADER, HEADER, WSGI_HEADER, SeenSignatures
 from qtp.wsrm.runtime._settings import node_settings
+from qtp.wsrm.runtime._transport import soap_version_of
+from qtp.xa import normalize_url
 
 log = logging.getLogger("qtp.wsrm.shared")
 
@@ -69,11 +74,16 @@ REPLICA_TABLE = "qtp_node_replica"
 REPLICA_DDL = (f"CREATE TABLE IF NOT EXISTS {REPLICA_TABLE} (node_id varchar(31) NOT NULL, member varchar(120) "
                "NOT NULL, address varchar(400) NOT NULL, boot varchar(64) NOT NULL, seen_at double precision NOT "
                "NULL, expires_at double precision NOT NULL, PRIMARY KEY (node_id, member))")
+ROUTE_TABLE = "qtp_node_route"  # the slot each CreateSequence (by its MessageID) was given
+ROUTE_DDL = (f"CREATE TABLE IF NOT EXISTS {ROUTE_TABLE} (node_id varchar(31) NOT NULL, message_id varchar(255) NOT "
+             "NULL, slot integer NOT NULL, routed_at double precision NOT NULL, PRIMARY KEY (node_id, message_id))")
+ROUTES_KEPT_S = 86400.0  # routes older than this are deleted (a CreateSequence is not retransmitted that late)
 FORWARDED = "X-Qtp-Forwarded"  # set on a request one replica passes to another
 SLOT_HEADER = "X-Qtp-Slot"
 _PASSED = (("Content-Type", "CONTENT_TYPE"), ("Accept", "HTTP_ACCEPT"), ("SOAPAction", "HTTP_SOAPACTION"),
            (HEADER, WSGI_HEADER))  # request headers a forwarded request keeps (the signature: the slot checks it)
 _RELAYED = ("content-type", BOOT_HEADER.lower(), HEADER.lower())  # answer headers relayed back
+SETTLE_S = 1.0  # a slot is handed back (to a replica below its share) only once held this long
 _MESSAGE_ID = re.compile(rb"MessageID[^>]*>\s*([^<\s]+)\s*<")
 
 
@@ -178,6 +188,10 @@ class SharedNode:
         home = lease_home(self.node_id, lease, list(config.resources))
         self._home = sqlalchemy.create_engine(normalize_url(config.resources[home]), pool_size=2, max_overflow=2, pool_pre_ping=True)
         self._family = "postgresql" if self._home.dialect.name == "postgresql" else "mysql"
+        from qtp.coordinator._lease import _NOW
+
+        self._now = _NOW[self._family]
+        self._routes_pruned = 0.0
         self._registrations: list[_Registration] = []
         self.handlers: dict[str, Any] = {}  # by action, as Node.handlers (what `qtp serve` counts)
         self._slots: dict[int, Node] = {}
@@ -256,6 +270,7 @@ class SharedNode:
             return self
         with self._home.begin() as conn:
             conn.exec_driver_sql(REPLICA_DDL)
+            conn.exec_driver_sql(ROUTE_DDL)
         from qtp.coordinator._lease import DDL
 
         with self._home.begin() as conn:
@@ -337,16 +352,16 @@ class SharedNode:
             for m in holders.values():
                 if m in counts:
                     counts[m] += 1
-            settled = [k for k in mine if time.monotonic() - self._held_since.get(k, 0.0) > 2 * self.lease_settings.ttl]
+            settled = [k for k in mine if time.monotonic() - self._held_since.get(k, 0.0) > SETTLE_S]
             if settled and any(n < fair for m, n in counts.items() if m != self.member):
                 self._release(settled[-1], f"this process holds {len(mine)} slots, more than its share of {fair}")
 
     def _look(self) -> tuple[dict[str, str], dict[int, str]]:
         """(live replicas: member -> address; slots held by a live lease: slot -> member), heartbeating this
         replica on the way. Times are the lease database's."""
-        from qtp.coordinator._lease import _NOW, LEASE_TABLE, MEMBER_TABLE
+        from qtp.coordinator._lease import LEASE_TABLE, MEMBER_TABLE
 
-        now_sql = _NOW[self._family]
+        now_sql = self._now
         ttl = self.lease_settings.ttl
         ids = [slot_id(self.node_id, k) for k in range(self.slot_count)]
         with self._home.begin() as conn:
@@ -359,6 +374,10 @@ class SharedNode:
             found = conn.exec_driver_sql(f"SELECT member, address, boot FROM {REPLICA_TABLE} WHERE node_id = %s AND "
                                          "expires_at > %s", (self.node_id, now)).all()
             live = {member: address for member, address, _ in found}
+            if time.monotonic() - self._routes_pruned > 600:
+                self._routes_pruned = time.monotonic()
+                conn.exec_driver_sql(f"DELETE FROM {ROUTE_TABLE} WHERE node_id = %s AND routed_at < %s",
+                                     (self.node_id, now - ROUTES_KEPT_S))
             self.seen.others = frozenset(boot for member, _, boot in found if member != self.member)
             marks = ", ".join(["%s"] * len(ids))
             rows = conn.exec_driver_sql(
@@ -384,6 +403,7 @@ class SharedNode:
             manager.start_recovery()
             node = Node(manager, replace(self.settings, slot=k, node_name=self.node_id))
             node.wsgi.seen = self.seen
+            node.wsgi.exposition = self.exposition
             for registration in self._registrations:
                 registration.apply(node)
             node.start()
@@ -432,10 +452,10 @@ class SharedNode:
             environ["wsgi.input"] = BytesIO(body)
             return node.wsgi(environ, start_response)
         if environ.get("HTTP_X_QTP_FORWARDED"):
-            return _plain(start_response, 503, f"slot {slot} is not held here (any more); retry")
+            return _busy(environ, start_response, 503, f"slot {slot} is not held here (any more); retry")
         address = self._holders.get(slot)
         if address is None or address == self.address:
-            return _plain(start_response, 503, f"slot {slot} of node {self.node_id} is being taken over; retry")
+            return _busy(environ, start_response, 503, f"slot {slot} of node {self.node_id} is being taken over; retry")
         return self._forward(address, slot, environ, body, start_response)
 
     def _route(self, environ: dict[str, Any], body: bytes) -> int:
@@ -449,15 +469,47 @@ class SharedNode:
             return int(tagged.group(1))
         if b"CreateSequence" in body:
             found = _MESSAGE_ID.search(body)
-            return zlib.crc32(found.group(1) if found else body) % self.slot_count
+            if found is None:
+                return zlib.crc32(body) % self.slot_count
+            try:
+                return self._slot_for_create(found.group(1).decode("utf-8", "replace")[:255])
+            except sqlalchemy.exc.SQLAlchemyError as exc:  # the lease database is down: a slot by the hash
+                log.info("node %s: CreateSequence routed by its hash (%s)", self.node_id, _first_line(exc))
+                return zlib.crc32(found.group(1)) % self.slot_count
         if b"MakeConnection" in body:
             return next(self._polls) % self.slot_count
         return 0
 
+    def _slot_for_create(self, message_id: str) -> int:
+        """The slot of a CreateSequence: the one its MessageID was given before (a retransmission reaches the
+        slot that made the sequence, whichever replica it reaches), else the slot given the fewest
+        CreateSequence in the last hour (so that a channel's few lanes spread over the slots evenly)."""
+        with self._home.begin() as conn:
+            row = conn.exec_driver_sql(f"SELECT slot FROM {ROUTE_TABLE} WHERE node_id = %s AND message_id = %s",
+                                       (self.node_id, message_id)).first()
+            if row is not None:
+                return int(row[0]) % self.slot_count
+            now = conn.exec_driver_sql(f"SELECT {self._now}").scalar()
+            counts = dict.fromkeys(range(self.slot_count), 0)
+            for slot, n in conn.exec_driver_sql(f"SELECT slot, COUNT(*) FROM {ROUTE_TABLE} WHERE node_id = %s AND "
+                                                "routed_at > %s GROUP BY slot", (self.node_id, now - 3600)).all():
+                if int(slot) in counts:
+                    counts[int(slot)] = int(n)
+            slot = min(counts, key=lambda k: (counts[k], zlib.crc32(message_id.encode()) % self.slot_count != k, k))
+            try:
+                with conn.begin_nested():
+                    conn.exec_driver_sql(f"INSERT INTO {ROUTE_TABLE} (node_id, message_id, slot, routed_at) "
+                                         "VALUES (%s, %s, %s, %s)", (self.node_id, message_id, slot, now))
+            except sqlalchemy.exc.IntegrityError:  # another replica routed the same CreateSequence just now
+                row = conn.exec_driver_sql(f"SELECT slot FROM {ROUTE_TABLE} WHERE node_id = %s AND message_id = %s",
+                                           (self.node_id, message_id)).first()
+                slot = int(row[0]) if row is not None else slot
+        return slot % self.slot_count
+
     def _forward(self, address: str, slot: int, environ: dict[str, Any], body: bytes,
                  start_response: Callable[..., Any]) -> Iterable[bytes]:
         if not self._forwarding.acquire(blocking=False):
-            return _plain(start_response, 503, "this replica is forwarding as much as it may now; retry")
+            return _busy(environ, start_response, 503, "this replica is forwarding as much as it may now; retry")
         try:
             headers = {name: environ[key] for name, key in _PASSED if environ.get(key)}
             headers[FORWARDED] = self.member
@@ -466,7 +518,7 @@ class SharedNode:
                 answer = self._http.post(address, data=body, headers=headers, timeout=self.limits.http_timeout)
             except requests.RequestException as exc:
                 log.info("node %s: slot %d's replica at %s did not answer (%s)", self.node_id, slot, address, exc)
-                return _plain(start_response, 503, f"slot {slot}'s replica did not answer; retry")
+                return _busy(environ, start_response, 503, f"slot {slot}'s replica did not answer; retry")
         finally:
             self._forwarding.release()
         passed = [(k, v) for k, v in answer.headers.items() if k.lower() in _RELAYED]
@@ -474,11 +526,44 @@ class SharedNode:
         start_response(f"{answer.status_code} {answer.reason or 'Answer'}", passed)
         return [answer.content]
 
+    def exposition(self) -> tuple[bytes, str]:
+        """``/metrics`` of this replica: every slot it holds, each sample labelled with its ``slot``."""
+        families: dict[str, Metric] = {}
+        for node in self.held():
+            for family in node.metrics.registry.collect():
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                                 family.unit))
+                merged.samples += [sample._replace(labels={**sample.labels, "slot": str(node.slot)})
+                                   for sample in family.samples]
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families(list(families.values())))
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+
     # ------------------------------------------------------------------ for status
 
     def describe(self) -> dict[str, Any]:
         return {"node": self.node_id, "member": self.member, "address": self.address, "slots": self.slots(),
                 "slot_count": self.slot_count, "live_replicas": self._live, "holders": dict(self._holders)}
+
+
+class _Families:
+    """A collector of metric families already gathered."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def _busy(environ: dict[str, Any], start_response: Callable[..., Any], text: str) -> list[bytes]:
+    """503 for a SOAP request a replica cannot pass on now: a SOAP fault (the peer reads why), Retry-After 1."""
+    soap = soap_version_of(environ.get("CONTENT_TYPE"))
+    if soap is None:
+        return _plain(start_response, 503, text)
+    status, headers, body = Endpoint._respond(_bare_fault(soap, "Receiver", text), 503)
+    start_response("503 Service Unavailable", [*headers, ("Retry-After", "1")])
+    return [body]
 
 
 def _plain(start_response: Callable[..., Any], status: int, text: str) -> list[bytes]:
