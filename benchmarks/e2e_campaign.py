@@ -119,7 +119,8 @@ def _pair(args: argparse.Namespace, pg: EmbeddedPostgres, maria: EmbeddedMariaDB
     return Pair(client_app, server_app, reply=args.reply, mode=args.mode, wsrm=args.wsrm, soap=args.soap,
                 proxy_port=free_port(), back_proxy_port=None if args.no_listen else free_port(),
                 limits="max_attempts = 1000", secret=secrets.token_urlsafe(32) if args.auth else None,
-                client_listens=not args.no_listen, acks_to=args.acks_to, **stores)
+                client_listens=not args.no_listen, acks_to=args.acks_to,
+                client_extra=f"lanes = {args.lanes}\n" if args.lanes > 1 else "", **stores)
 
 
 def _count(url: str, query: str) -> int:
@@ -370,6 +371,8 @@ def run(args: argparse.Namespace) -> int:
         proxies.append(LossyProxy(c.replicas.urls("client"), port=pair.back_proxy_port,
                                   seed=args.seed + 1, **loss).start())
     sending = {"QTP_TEST_SEND": str(args.messages), "QTP_TEST_ABORT_EVERY": str(ABORT_EVERY)}
+    if args.lanes > 1:  # each order keyed by its number: the channel's lanes (sequences) all carry orders
+        sending["QTP_TEST_KEYS"] = "1"
     if args.rate > 0:
         sending["QTP_TEST_RATE"] = str(args.rate)
     nodes = {name: NodeProcess(configs[name], out / f"{name}.log", sending if name.startswith("client") else None)
@@ -489,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttl", type=float, default=5.0, help="with --replicas: the lease's ttl in seconds")
     parser.add_argument("--failover-s", type=float, default=2.0,
                         help="with --replicas: a replica silent this long is passed over by the proxy")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="the client channel's lanes (sequences), each order keyed by its number: with --slots, "
+                             "what spreads the orders over the server's slots")
     parser.add_argument("--slots", type=int, default=1,
                         help="with --replicas: the server's replicas share its work in this many slots "
                              "(round-robin proxy); 1: owner and standbys")
@@ -499,9 +505,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--replicas is 1 or more, and --pause needs --replicas 2 or more (a standby to take over)")
     if args.slots < 1 or args.slots > 1 and args.replicas < 2:
         parser.error("--slots is 1 or more, and --slots N > 1 needs --replicas 2 or more (replicas to share the work)")
-    if args.slots > 1 and (args.mode != "xa" or args.auth):
-        parser.error("--slots N > 1 needs --mode xa and no --auth (qtp refuses [lease] slots with other modes "
-                     "and with [peers])")
+    if args.slots > 1 and args.mode != "xa":
+        parser.error("--slots N > 1 needs --mode xa (qtp refuses [lease] slots with other modes)")
+    if args.lanes < 1:
+        parser.error("--lanes is 1 or more")
     if args.rate is None:  # a pause lasts the ttl and 1-3 s more before its restart: a share of the kills do
         pauses = len(PAUSES) / (2 * args.replicas + len(VICTIMS) - 2 + len(PAUSES)) if args.pause else 0.0
         args.rate = args.messages / (max(args.kills, 1) * (KILL_SPACING_S + pauses * (args.ttl + 2.0)))

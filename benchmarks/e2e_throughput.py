@@ -170,14 +170,14 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
             secret: str | None = None, profile: Path | None = None, polls: bool = False, drain: bool = False,
             lease: bool = False, standby: bool = False, slots: int = 1, sharing: int = 1, lanes: int = 1) -> dict:
     """One run of a qtp variant; ``slots`` > 1: the server's ``[lease] slots``, run as ``sharing`` processes
-    (more than one: behind a round-robin LossyProxy without faults), the client with a ``[lease]``; ``lanes``
+    behind a round-robin LossyProxy without faults (one process too), the client with a ``[lease]``; ``lanes``
     > 1: the client's channel has that many lanes (sequences), each order keyed by its number."""
     client_app, server_app = _fresh(pg, f"tc_{tag}"), _fresh(maria, f"ts_{tag}")
     client_schema(client_app)
     server_schema(server_app)
     stores = {"client_store": _fresh(maria, f"tcs_{tag}"), "server_store": _fresh(pg, f"tss_{tag}")} if other else {}
     pair = Pair(client_app, server_app, reply=reply, secret=secret, client_listens=not (polls or drain),
-                acks_to="poll" if polls else "anonymous", **stores, proxy_port=free_port() if sharing > 1 else None,
+                acks_to="poll" if polls else "anonymous", **stores, proxy_port=free_port() if slots > 1 else None,
                 client_extra=f"lanes = {lanes}\n" if lanes > 1 else "",
                 limits=f"poll_interval_min = {DRAIN_POLL_S}\npoll_interval_max = {DRAIN_POLL_S}\n"
                        f"max_unacknowledged = {messages + 1}" if drain else "")
@@ -189,8 +189,8 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
         configs = replicas.write(run)
         client_config, server_configs = configs["client"], [configs[name] for name in replicas.names("server")]
         client_config.write_text(client_config.read_text() + "\n[lease]\nttl = 10\n")
-        if sharing > 1:
-            proxy = LossyProxy(replicas.urls("server"), port=pair.proxy_port, balance="round-robin").start()
+        # (S1) too reaches its one process through the proxy: the two variants differ in the processes only
+        proxy = LossyProxy(replicas.urls("server"), port=pair.proxy_port, balance="round-robin").start()
     else:
         client_config, server_config = pair.write(run)
         server_configs = [server_config]
@@ -230,9 +230,10 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
                           metrics=metrics, cpu=cpu, replies=reply)
         if proxy is not None:
             result["balanced_s"] = balanced_s
-            answered = proxy.stats()["per_target"]     # requests each server process answered
-            result["per_server"] = {name: answered[url] for name, url in zip(replicas.names("server"),
-                                                                              replicas.urls("server"))}
+            stats = proxy.stats()  # requests each server process answered (per_target: with several)
+            answered = stats.get("per_target") or {replicas.urls("server")[0]: stats.get("forwarded", 0)}
+            result["per_server"] = {name: answered.get(url, 0) for name, url in zip(replicas.names("server"),
+                                                                                     replicas.urls("server"))}
         return result
     finally:
         for spy in spies:

@@ -58,6 +58,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import Metric
 
 from qtp.config import load_config
+from qtp.coordinator._lease import _NOW, LEASE_TABLE, MEMBER_TABLE, lease_home, process_member
+from qtp.coordinator._lease import DDL as LEASE_DDL
 from qtp.errors import ConfigurationError, QtpError
 from qtp.wsrm.runtime._endpoint import Endpoint, _bare_fault
 from qtp.wsrm.runtime._http import HttpServer
@@ -182,15 +184,12 @@ class SharedNode:
         where = f"{base.scheme}://{base.netloc}" if base else \
             f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
         self.address = where + self._path
-        from qtp.coordinator._lease import lease_home, process_member
-
         self.member = process_member()
         home = lease_home(self.node_id, lease, list(config.resources))
-        self._home = sqlalchemy.create_engine(normalize_url(config.resources[home]), pool_size=2, max_overflow=2, pool_pre_ping=True)
+        self._home = sqlalchemy.create_engine(normalize_url(config.resources[home]), pool_size=2, max_overflow=2,
+                                              pool_pre_ping=True)
         self._family = "postgresql" if self._home.dialect.name == "postgresql" else "mysql"
-        from qtp.coordinator._lease import _NOW
-
-        self._now = _NOW[self._family]
+        self._now = _NOW[self._family]  # the lease database's clock: every time in these tables is its
         self._routes_pruned = 0.0
         self._registrations: list[_Registration] = []
         self.handlers: dict[str, Any] = {}  # by action, as Node.handlers (what `qtp serve` counts)
@@ -271,10 +270,8 @@ class SharedNode:
         with self._home.begin() as conn:
             conn.exec_driver_sql(REPLICA_DDL)
             conn.exec_driver_sql(ROUTE_DDL)
-        from qtp.coordinator._lease import DDL
-
         with self._home.begin() as conn:
-            for ddl in DDL:
+            for ddl in LEASE_DDL:
                 conn.exec_driver_sql(ddl)
         self.started = True
         host, port = self._listen
@@ -359,8 +356,6 @@ class SharedNode:
     def _look(self) -> tuple[dict[str, str], dict[int, str]]:
         """(live replicas: member -> address; slots held by a live lease: slot -> member), heartbeating this
         replica on the way. Times are the lease database's."""
-        from qtp.coordinator._lease import LEASE_TABLE, MEMBER_TABLE
-
         now_sql = self._now
         ttl = self.lease_settings.ttl
         ids = [slot_id(self.node_id, k) for k in range(self.slot_count)]
