@@ -188,7 +188,8 @@ def _lease_settings(path: Path, data: dict, resources: dict[str, str]) -> LeaseS
         memory.insert(0, "[node]")
     if memory:
         raise ConfigurationError(f"{path}: [lease] with mode = \"memory\" ({', '.join(memory)}): a standby cannot take "
-                                 "over what is in a process's memory; use xa or persistent")
+                                 "over what is in a process's memory; use xa"
+                                 + (" (slots need it)" if table.get("slots", 1) != 1 else " or persistent"))
     resource = table.get("resource", (data.get("node") or {}).get("store"))
     if resource is not None and resource not in resources:
         raise ConfigurationError(f"{path}: [lease] resource {resource!r} is not one of [resources.*] "

@@ -255,3 +255,90 @@ def test_create_sequences_spread_evenly_over_the_slots_and_a_retransmitted_one_g
     finally:
         for node in (a, b):
             node.kill()
+
+
+def test_replicas_with_and_without_slots_or_with_other_slots_refuse_to_run_beside_each_other(pg_db, tmp_path: Path
+                                                                                              ) -> None:
+    """Outside finding: a replica without slots (a rolling change of the file) and one with slots both ran, both
+    worked slot 0's tables, and replies were lost. Now whichever comes second refuses to run."""
+    server_app = pg_db("server")
+    server_schema(server_app)
+    pair = Pair(pg_db("client"), server_app, proxy_port=free_port())
+    configs = Replicas(pair, servers=3, clients=1, ttl=2).write(tmp_path)
+    whole, shared, other = (configs[name] for name in ("server-a", "server-b", "server-c"))
+    _share(shared, 2)
+    _share(other, 3)
+    first = NodeProcess(whole, tmp_path / "whole.log")
+    try:
+        assert first.start_replica().role() == "owner"
+        second = NodeProcess(shared, tmp_path / "shared.log").launch()
+        assert second.wait_exit(60) == 2 and b"has a live process without slots" in second.said()
+        first.kill()
+        time.sleep(2.5)  # its lease expires
+        second = _serving(NodeProcess(shared, tmp_path / "shared-2.log"))
+        wait_until(lambda: len(_slots_of(second)) == 2, 30, "the replica with slots holding both")
+        third = NodeProcess(whole, tmp_path / "whole-2.log").launch()
+        assert third.wait_exit(60) not in (None, 0) and b"share the work in 2 slots" in third.said()
+        fourth = NodeProcess(other, tmp_path / "other.log").launch()
+        assert fourth.wait_exit(60) == 2 and b"every replica of a node needs the same [lease] slots" in fourth.said()
+        assert second.alive() and _slots_of(second) == [0, 1]
+    finally:
+        for node in [n for n in locals().values() if isinstance(n, NodeProcess)]:
+            node.kill()
+
+
+def test_a_replica_that_cannot_take_slots_does_not_stall_the_node(pg_db, maria_db, tmp_path: Path) -> None:
+    """Outside finding: a live replica that failed at every take (here: a database its host cannot reach) was
+    counted in the fair share, the healthy one gave it a slot, and that slot stayed unheld: orders stalled."""
+    client_app, server_app = pg_db("client"), maria_db("server")
+    client_schema(client_app)
+    server_schema(server_app)
+    pair = Pair(client_app, server_app, proxy_port=free_port(), client_extra="lanes = 4\n")
+    replicas = Replicas(pair, servers=2, clients=1, ttl=2)
+    configs = replicas.write(tmp_path)
+    for name in ("server-a", "server-b"):
+        _share(configs[name], 2)
+    broken = configs["server-b"]  # it also names a database that does not answer
+    broken.write_text(broken.read_text().replace("\n[recovery]\n", f'\n[resources.unreachable]\nurl = '
+                                                 f'"postgresql://u@127.0.0.1:{free_port()}/x"\n\n[recovery]\n', 1))
+    a, b = (NodeProcess(configs[name], tmp_path / f"{name}.log") for name in ("server-a", "server-b"))
+    client = NodeProcess(configs["client"], tmp_path / "client.log",
+                         {"QTP_TEST_SEND": "600", "QTP_TEST_RATE": "40", "QTP_TEST_ABORT_EVERY": "0",
+                          "QTP_TEST_THREADS": "4", "QTP_TEST_KEYS": "1"})
+    with LossyProxy(replicas.urls("server"), port=pair.proxy_port, failover_s=1, balance="round-robin"):
+        try:
+            _serving(a)
+            wait_until(lambda: len(_slots_of(a)) == 2, 30, "server-a holding both slots")
+            _serving(b)
+            client.start()
+            wait_until(lambda: b"could not take a slot" in b.said(), 60, "server-b failing to take a slot")
+            wait_until(lambda: rows(server_app, "SELECT COUNT(*) FROM applied")[0][0] >= 600, 180, "every order")
+            assert _slots_of(b) == [] and b.alive()
+        finally:
+            for node in (client, a, b):
+                node.kill()
+    check_exactly_once(client_app, server_app, reply=False)
+
+
+def test_a_replica_whose_every_slot_would_fail_to_start_is_refused_before_it_takes_any(pg_db, tmp_path: Path) -> None:
+    """Outside finding: listening beyond loopback without a metrics token (or llr = false) made each take of a
+    slot fail after taking its lease, for ever; now `qtp serve` refuses such a file before taking anything."""
+    server_app = pg_db("server")
+    server_schema(server_app)
+    pair = Pair(pg_db("client"), server_app, proxy_port=free_port())
+    configs = Replicas(pair, servers=2, clients=1, ttl=2).write(tmp_path)
+    wide, no_llr = configs["server-a"], configs["server-b"]
+    for config in (wide, no_llr):
+        _share(config, 2)
+    wide.write_text(re.sub(r'(?m)^listen = "127.0.0.1:', 'listen = "0.0.0.0:', wide.read_text(), count=1))
+    no_llr.write_text(no_llr.read_text().replace("\n[node]\n", "\n[node]\nllr = false\n", 1))
+    for config, said in ((wide, b"metrics_token"), (no_llr, b"llr = true")):
+        node = NodeProcess(config, tmp_path / f"{config.stem}.log").launch()
+        try:
+            assert node.wait_exit(60) not in (None, 0) and said in node.said()
+            assert b"took slot" not in node.said()
+        finally:
+            node.kill()
+    # refused before it touched the database: not even the lease's tables were made
+    assert rows(server_app, "SELECT COUNT(*) FROM information_schema.tables WHERE table_name = 'qtp_node_lease'") \
+        == [(0,)]

@@ -72,6 +72,7 @@ log = logging.getLogger("qtp.lease")
 LEASE_TABLE = "qtp_node_lease"
 MEMBER_TABLE = "qtp_node_member"
 FENCE_TABLE = "qtp_node_fence"
+REPLICA_TABLE = "qtp_node_replica"  # replicas that share the work in slots (qtp.wsrm.runtime._shared)
 DDL = (
     f"CREATE TABLE IF NOT EXISTS {LEASE_TABLE} (node_id varchar(31) NOT NULL PRIMARY KEY, "
     "holder varchar(120) NOT NULL, epoch bigint NOT NULL, acquired_at double precision NOT NULL)",
@@ -227,7 +228,23 @@ class Lease:
                     self.node_id, self.epoch)
         return self.epoch
 
+    def _check_not_shared(self) -> None:
+        """ConfigurationError while replicas of this node share its work in slots: a process of the whole node
+        would work slot 0's tables beside the replica holding it."""
+        db = self.home
+        try:
+            with db.engine.begin() as conn:
+                row = conn.exec_driver_sql(f"SELECT member, slots FROM {REPLICA_TABLE} WHERE node_id = %s AND "
+                                           f"expires_at > {db.now}", (self.node_id,)).first()
+        except sqlalchemy.exc.ProgrammingError:  # no such table: no replica ever shared this database's nodes
+            return
+        if row is not None:
+            raise ConfigurationError(f"node {self.node_id!r}: its replicas share the work in {row[1]} slots "
+                                     f"([lease] slots; {row[0]} is live), and this process has no slots: give it "
+                                     "the same [lease] slots, or stop them first")
+
     def _try_take(self) -> tuple[bool, str | None, float]:
+        self._check_not_shared()
         db, n = self.home, self.node_id
         sent = time.monotonic()
         with db.engine.begin() as conn:

@@ -43,6 +43,7 @@ import itertools
 import logging
 import math
 import re
+import socket
 import threading
 import time
 import zlib
@@ -58,7 +59,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import Metric
 
 from qtp.config import load_config
-from qtp.coordinator._lease import _NOW, LEASE_TABLE, MEMBER_TABLE, lease_home, process_member
+from qtp.coordinator._lease import _NOW, LEASE_TABLE, MEMBER_TABLE, REPLICA_TABLE, lease_home, process_member
 from qtp.coordinator._lease import DDL as LEASE_DDL
 from qtp.errors import ConfigurationError, QtpError
 from qtp.wsrm.runtime._endpoint import Endpoint, _bare_fault
@@ -72,10 +73,10 @@ from qtp.xa import normalize_url
 
 log = logging.getLogger("qtp.wsrm.shared")
 
-REPLICA_TABLE = "qtp_node_replica"
 REPLICA_DDL = (f"CREATE TABLE IF NOT EXISTS {REPLICA_TABLE} (node_id varchar(31) NOT NULL, member varchar(120) "
-               "NOT NULL, address varchar(400) NOT NULL, boot varchar(64) NOT NULL, seen_at double precision NOT "
-               "NULL, expires_at double precision NOT NULL, PRIMARY KEY (node_id, member))")
+               "NOT NULL, address varchar(400) NOT NULL, boot varchar(64) NOT NULL, slots integer NOT NULL, ready integer "
+               "NOT NULL, seen_at double precision NOT NULL, expires_at double precision NOT NULL, "
+               "PRIMARY KEY (node_id, member))")
 ROUTE_TABLE = "qtp_node_route"  # the slot each CreateSequence (by its MessageID) was given
 ROUTE_DDL = (f"CREATE TABLE IF NOT EXISTS {ROUTE_TABLE} (node_id varchar(31) NOT NULL, message_id varchar(255) NOT "
              "NULL, slot integer NOT NULL, routed_at double precision NOT NULL, PRIMARY KEY (node_id, message_id))")
@@ -182,7 +183,7 @@ class SharedNode:
         # path (a signature covers the path, and a slot's endpoint takes only its own)
         base = urlsplit(lease.address) if lease.address else None
         where = f"{base.scheme}://{base.netloc}" if base else \
-            f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
+            f"http://{socket.gethostname() if host in ('0.0.0.0', '::', '') else host}:{port}"
         self.address = where + self._path
         self.member = process_member()
         home = lease_home(self.node_id, lease, list(config.resources))
@@ -198,6 +199,10 @@ class SharedNode:
         self._slots_lock = threading.Lock()
         self._holders: dict[int, str] = {}  # slot -> the address of the replica holding it (from the last look)
         self._live = 1
+        self._free_since: dict[int, float] = {}  # slot -> when this replica first saw it held by nobody
+        self._failures = 0  # takes that failed in a row (not for a held lease)
+        self._unready_until = 0.0  # monotonic: till then this replica counts itself out of the fair share
+        self.fatal: ConfigurationError | None = None  # why this replica stopped by itself (qtp serve exits)
         self.started = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -267,12 +272,19 @@ class SharedNode:
         the share right in a thread of its own until ``close()``."""
         if self.started:
             return self
+        # what would make every slot's start fail, refused once here (not at each take of each slot)
+        self.settings.security.require_metrics_token(self.settings.listen_host())
+        if not self.config.llr:
+            raise ConfigurationError(f"node {self.node_id!r}: [lease] needs llr = true: a slot's commit decisions must "
+                                     "be rows in its databases, where the replica taking it over finds them")
         with self._home.begin() as conn:
             conn.exec_driver_sql(REPLICA_DDL)
             conn.exec_driver_sql(ROUTE_DDL)
         with self._home.begin() as conn:
             for ddl in LEASE_DDL:
                 conn.exec_driver_sql(ddl)
+        with self._home.begin() as conn:
+            self._check_alone(conn, conn.exec_driver_sql(f"SELECT {self._now}").scalar())
         self.started = True
         host, port = self._listen
         self._server = HttpServer(self, host, port, self.limits, health=lambda: self.started,
@@ -280,6 +292,9 @@ class SharedNode:
         self._server.start()
         try:
             self._balance_once()
+        except ConfigurationError:
+            self.close()
+            raise
         except (sqlalchemy.exc.SQLAlchemyError, QtpError) as exc:
             log.warning("node %s: slots not taken yet (%s); trying again", self.node_id, _first_line(exc))
         self._thread = threading.Thread(target=self._balance_loop, name="qtp-slots", daemon=True)
@@ -321,6 +336,9 @@ class SharedNode:
         while not self._stop.wait(self.poll_s):
             try:
                 self._balance_once()
+            except ConfigurationError as exc:  # this replica cannot work (its file, or its neighbours'): it stops
+                self._fail(exc)
+                return
             except (sqlalchemy.exc.SQLAlchemyError, QtpError) as exc:
                 log.warning("node %s: slots not balanced (%s); trying again", self.node_id, _first_line(exc))
             except Exception:  # a bug: keep the replica running, say what
@@ -334,18 +352,31 @@ class SharedNode:
             lease = node.manager.lease
             if lease is None or lease.lost.is_set():
                 self._release(k, f"its lease was lost ({lease.lost_reason if lease else 'never taken'})")
-        live, holders = self._look()
+        live, ready, holders = self._look()
         self._live = len(live)
         self._holders = {k: live[m] for k, m in holders.items() if m in live}
-        fair = math.ceil(self.slot_count / max(1, len(live)))
+        # the fair share counts the replicas that can take slots: not one whose last take failed (its backoff)
+        fair = math.ceil(self.slot_count / max(1, len(ready)))
         mine = self.slots()
-        if len(mine) < fair:
-            for k in range(self.slot_count):
-                if k not in mine and k not in self._holders:
-                    self._take(k)
-                    break
+        now = time.monotonic()
+        free = [k for k in range(self.slot_count) if k not in mine and k not in self._holders]
+        self._free_since = {k: self._free_since.get(k, now) for k in free}
+        # a slot nobody took for a ttl (its fair holder cannot: a replica that keeps failing) is taken anyway
+        orphaned = [k for k in free if now - self._free_since[k] > self.lease_settings.ttl]
+        if free and (len(mine) < fair or orphaned) and now >= self._unready_until:
+            try:
+                self._take(free[0] if len(mine) < fair else orphaned[0])
+                self._failures = 0
+            except ConfigurationError:
+                raise
+            except (sqlalchemy.exc.SQLAlchemyError, QtpError) as exc:  # e.g. a database this host cannot reach
+                self._failures += 1
+                backoff = min(300.0, 3 * self.lease_settings.ttl * 2 ** (self._failures - 1))
+                self._unready_until = time.monotonic() + backoff
+                log.warning("node %s: this replica could not take a slot (%s); it counts itself out of the fair "
+                            "share for %.0f s", self.node_id, _first_line(exc), backoff)
         elif len(mine) > fair:
-            counts = {m: 0 for m in live}
+            counts = {m: 0 for m in ready}
             for m in holders.values():
                 if m in counts:
                     counts[m] += 1
@@ -353,33 +384,60 @@ class SharedNode:
             if settled and any(n < fair for m, n in counts.items() if m != self.member):
                 self._release(settled[-1], f"this process holds {len(mine)} slots, more than its share of {fair}")
 
-    def _look(self) -> tuple[dict[str, str], dict[int, str]]:
-        """(live replicas: member -> address; slots held by a live lease: slot -> member), heartbeating this
-        replica on the way. Times are the lease database's."""
-        now_sql = self._now
+    def _fail(self, exc: ConfigurationError) -> None:
+        log.critical("node %s: this replica (%s) stops: %s", self.node_id, self.member, exc)
+        self.fatal = exc
+        threading.Thread(target=self.close, name="qtp-slots-stop", daemon=True).start()
+
+    def _look(self) -> tuple[dict[str, str], set[str], dict[int, str]]:
+        """(live replicas: member -> address; those ready to take slots; slots held by a live lease: slot ->
+        member), heartbeating this replica on the way; ConfigurationError beside a process of the node without
+        slots or a replica with other slots. Times are the lease database's."""
         ttl = self.lease_settings.ttl
         ids = [slot_id(self.node_id, k) for k in range(self.slot_count)]
         with self._home.begin() as conn:
-            now = conn.exec_driver_sql(f"SELECT {now_sql}").scalar()
-            values = (self.address, self.seen.boot, now, now + ttl, self.node_id, self.member)
-            if not conn.exec_driver_sql(f"UPDATE {REPLICA_TABLE} SET address = %s, boot = %s, seen_at = %s, "
-                                        "expires_at = %s WHERE node_id = %s AND member = %s", values).rowcount:
-                conn.exec_driver_sql(f"INSERT INTO {REPLICA_TABLE} (address, boot, seen_at, expires_at, node_id, "
-                                     "member) VALUES (%s, %s, %s, %s, %s, %s)", values)
-            found = conn.exec_driver_sql(f"SELECT member, address, boot FROM {REPLICA_TABLE} WHERE node_id = %s AND "
-                                         "expires_at > %s", (self.node_id, now)).all()
-            live = {member: address for member, address, _ in found}
+            now = conn.exec_driver_sql(f"SELECT {self._now}").scalar()
+            self._check_alone(conn, now)
+            ready = 1 if time.monotonic() >= self._unready_until else 0
+            values = (self.address, self.seen.boot, self.slot_count, ready, now, now + ttl, self.node_id, self.member)
+            if not conn.exec_driver_sql(f"UPDATE {REPLICA_TABLE} SET address = %s, boot = %s, slots = %s, ready = %s, "
+                                        "seen_at = %s, expires_at = %s WHERE node_id = %s AND member = %s",
+                                        values).rowcount:
+                conn.exec_driver_sql(f"INSERT INTO {REPLICA_TABLE} (address, boot, slots, ready, seen_at, expires_at, "
+                                     "node_id, member) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)", values)
+            found = conn.exec_driver_sql(f"SELECT member, address, boot, slots, ready FROM {REPLICA_TABLE} WHERE "
+                                         "node_id = %s AND expires_at > %s", (self.node_id, now)).all()
+            other = sorted({int(n) for _, _, _, n, _ in found if int(n) != self.slot_count})
+            if other:
+                raise ConfigurationError(
+                    f"node {self.node_id!r}: live replicas share its work in {', '.join(map(str, other))} slots, "
+                    f"this one in {self.slot_count}: every replica of a node needs the same [lease] slots (change "
+                    "it with every replica stopped)")
             if time.monotonic() - self._routes_pruned > 600:
                 self._routes_pruned = time.monotonic()
                 conn.exec_driver_sql(f"DELETE FROM {ROUTE_TABLE} WHERE node_id = %s AND routed_at < %s",
                                      (self.node_id, now - ROUTES_KEPT_S))
-            self.seen.others = frozenset(boot for member, _, boot in found if member != self.member)
             marks = ", ".join(["%s"] * len(ids))
             rows = conn.exec_driver_sql(
                 f"SELECT l.node_id, l.holder FROM {LEASE_TABLE} l JOIN {MEMBER_TABLE} m ON m.node_id = l.node_id "
                 f"AND m.member = l.holder WHERE l.node_id IN ({marks}) AND m.role = 'owner' AND m.expires_at > %s",
                 (*ids, now)).all()
-        return live, {ids.index(n): holder for n, holder in rows}
+        self.seen.others = frozenset(boot for member, _, boot, _, _ in found if member != self.member)
+        live = {member: address for member, address, _, _, _ in found}
+        able = {member for member, _, _, _, r in found if r}
+        return live, able, {ids.index(n): holder for n, holder in rows}
+
+    def _check_alone(self, conn: Any, now: float) -> None:
+        """ConfigurationError while a process of this node without slots (a [lease] of the whole node) is
+        live: its tables are slot 0's, and two owners of them would write at once."""
+        holder = conn.exec_driver_sql(
+            f"SELECT m.member, m.role FROM {MEMBER_TABLE} m WHERE m.node_id = %s AND m.role IN ('owner', 'standby') "
+            "AND m.expires_at > %s", (self.node_id, now)).first()
+        if holder is not None:
+            raise ConfigurationError(
+                f"node {self.node_id!r} has a live process without slots ({holder[0]}, {holder[1]}): replicas with "
+                "[lease] slots cannot run beside it (both would work the node's tables); stop it first, or give "
+                "every replica the same [lease] slots")
 
     def _take(self, k: int) -> None:
         """Hold slot ``k``: its manager takes the slot's lease (or finds it held: nothing done), recovers the
@@ -454,14 +512,19 @@ class SharedNode:
         return self._forward(address, slot, environ, body, start_response)
 
     def _route(self, environ: dict[str, Any], body: bytes) -> int:
+        """The slot a request belongs to. A sender can steer only its own requests by what it writes: a slot
+        holds only its own sequences (any other identifier is unknown there), and sequences are made by
+        CreateSequence, whichever slot it reaches."""
         header = environ.get("HTTP_X_QTP_SLOT")
-        if header is None:
-            header = (parse_qs(environ.get("QUERY_STRING", "")).get(SLOT_QUERY) or [None])[0]
-        if header is not None and header.isdigit() and int(header) < self.slot_count:
-            return int(header)
+        if environ.get("HTTP_X_QTP_FORWARDED") and header is not None and header.isdigit() \
+                and int(header) < self.slot_count:
+            return int(header)  # as the replica that forwarded it chose (a poll's turn, a CreateSequence's route)
         tagged = self._tag.search(body)
         if tagged is not None and int(tagged.group(1)) < self.slot_count:
             return int(tagged.group(1))
+        query = (parse_qs(environ.get("QUERY_STRING", "")).get(SLOT_QUERY) or [""])[0]
+        if query.isdigit() and int(query) < self.slot_count:
+            return int(query)  # acknowledgements POSTed to a slot's AcksTo
         if b"CreateSequence" in body:
             found = _MESSAGE_ID.search(body)
             if found is None:

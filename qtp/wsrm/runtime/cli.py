@@ -21,7 +21,9 @@ hypercorn) would need the endpoint rewritten or wrapped, and bring their own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import json
 import signal
 import sys
@@ -56,8 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("ids", nargs="*", type=int, help="dead letter ids (retry/drop); none: every one")
     d.add_argument("--config", default="qtp.toml", help="the node's qtp.toml (default ./qtp.toml)")
     d.add_argument("--json", action="store_true", help="print JSON (list)")
-    d.add_argument("--slot", type=int, default=0,
-                   help="with [lease] slots: the slot whose dead letters (each slot keeps its own; default 0)")
+    d.add_argument("--slot", type=int, default=None,
+                   help="with [lease] slots: the slot whose dead letters (each slot keeps its own; list: every slot)")
     d.set_defaults(func=run_dead_letters)
 
 
@@ -82,6 +84,11 @@ def run_serve(args: argparse.Namespace) -> int:
           f"channels {', '.join(sorted(node.channels)) or 'none'}; handlers {len(node.handlers)}", flush=True)
     lease = node.manager.lease
     while not stop.wait(0.2):
+        fatal = getattr(node, "fatal", None)  # a replica sharing the work in slots that cannot work
+        if fatal is not None:
+            print(f"qtp serve: node {node.manager.node_id}: {fatal}", file=sys.stderr, flush=True)
+            node.close()
+            return 2
         if lease is not None and lease.lost.is_set():
             # another process owns the node now: stop at once (nothing here commits any more; the manager's
             # close stops the node first), and say so with status 75 (EX_TEMPFAIL), so that a supervisor
@@ -116,9 +123,29 @@ def _load_app(spec: str) -> Any:
 
 def run_dead_letters(args: argparse.Namespace) -> int:
     slots = slot_configs(load_config(args.config))
-    if not 0 <= args.slot < len(slots):
-        raise ConfigurationError(f"--slot {args.slot}: the node has {len(slots)} slot(s) (0 to {len(slots) - 1})")
-    config = slots[args.slot]
+    if args.slot is None and len(slots) > 1:
+        if args.action != "list":
+            raise ConfigurationError(f"the node shares its work in {len(slots)} slots, each with its own dead letters: "
+                                     f"say which with --slot K (`qtp dead-letters list` shows every slot's)")
+        every = []
+        for k in range(len(slots)):
+            if args.json:  # one JSON list for scripts, each letter naming its slot
+                with contextlib.redirect_stdout(io.StringIO()) as out:
+                    _dead_letters(slots[k], args)
+                every += [dict(letter, slot=k) for letter in json.loads(out.getvalue())]
+            else:
+                print(f"slot {k}:")
+                _dead_letters(slots[k], args)
+        if args.json:
+            print(json.dumps(every, indent=2))
+        return 0
+    slot = args.slot or 0
+    if not 0 <= slot < len(slots):
+        raise ConfigurationError(f"--slot {slot}: the node has {len(slots)} slot(s) (0 to {len(slots) - 1})")
+    return _dead_letters(slots[slot], args)
+
+
+def _dead_letters(config: Any, args: argparse.Namespace) -> int:
     opened = stores(config)
     if not opened:
         raise ConfigurationError(f"{args.config}: no SQL store ([node] store or [channels.*] store)")
