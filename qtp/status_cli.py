@@ -41,7 +41,8 @@ def run_status(args: argparse.Namespace) -> int:
     def each(config: Any) -> list[NodeStatus]:  # a node whose replicas share the work: each of its slots
         return [compute(slot) for slot in slot_configs(config)]
 
-    return run(args, each, lambda statuses: [s.__dict__ for s in statuses] if len(statuses) > 1 else statuses[0].__dict__,
+    return run(args, each,
+               lambda statuses: [s.__dict__ for s in statuses] if len(statuses) > 1 else statuses[0].__dict__,
                lambda statuses: "\n\n".join(render(s) for s in statuses),
                lambda statuses: not any(s.warnings for s in statuses))
 

@@ -124,8 +124,8 @@ class TransactionManager:
 
         config = load_config(path)
         if config.lease is not None and config.lease.slots > 1:
-            raise ConfigurationError(f"{path}: [lease] slots = {config.lease.slots}: the node's replicas share its work "
-                                     "in slots, each with a transaction manager of its own; build the node with "
+            raise ConfigurationError(f"{path}: [lease] slots = {config.lease.slots}: the node's replicas share its "
+                                     "work in slots, each with a transaction manager of its own; build the node with "
                                      "qtp.Node.from_config (or run `qtp serve`), not TransactionManager.from_config")
         manager = cls(config.node_id, config.log_dir, timeout=config.timeout,
                       recovery_interval=config.recovery_interval, llr=config.llr, lease=config.lease)

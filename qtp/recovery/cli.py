@@ -32,9 +32,10 @@ def run_recover(args: argparse.Namespace) -> int:
     def each(config: Any) -> list[RecoveryReport]:  # a node whose replicas share the work: each of its slots
         return [recover_node(slot, dry_run=args.dry_run) for slot in slot_configs(config)]
 
-    return run(args, each, lambda reports: [r.to_dict() for r in reports] if len(reports) > 1 else reports[0].to_dict(),
-               lambda reports: "\n\n".join(render_report(r) for r in reports), lambda reports: all(r.ok for r in reports),
-               refused=(LiveManagerError,))
+    return run(args, each,
+               lambda reports: [r.to_dict() for r in reports] if len(reports) > 1 else reports[0].to_dict(),
+               lambda reports: "\n\n".join(render_report(r) for r in reports),
+               lambda reports: all(r.ok for r in reports), refused=(LiveManagerError,))
 
 
 def render_report(report: RecoveryReport) -> str:

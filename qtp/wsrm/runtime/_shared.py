@@ -74,8 +74,8 @@ from qtp.xa import normalize_url
 log = logging.getLogger("qtp.wsrm.shared")
 
 REPLICA_DDL = (f"CREATE TABLE IF NOT EXISTS {REPLICA_TABLE} (node_id varchar(31) NOT NULL, member varchar(120) "
-               "NOT NULL, address varchar(400) NOT NULL, boot varchar(64) NOT NULL, slots integer NOT NULL, ready integer "
-               "NOT NULL, seen_at double precision NOT NULL, expires_at double precision NOT NULL, "
+               "NOT NULL, address varchar(400) NOT NULL, boot varchar(64) NOT NULL, slots integer NOT NULL, "
+               "ready integer NOT NULL, seen_at double precision NOT NULL, expires_at double precision NOT NULL, "
                "PRIMARY KEY (node_id, member))")
 ROUTE_TABLE = "qtp_node_route"  # the slot each CreateSequence (by its MessageID) was given
 ROUTE_DDL = (f"CREATE TABLE IF NOT EXISTS {ROUTE_TABLE} (node_id varchar(31) NOT NULL, message_id varchar(255) NOT "

@@ -83,7 +83,8 @@ class Tables:
             sa.Column("info", _TEXT, nullable=False),
             sa.Column("record", _TEXT, nullable=False),
         )
-        self.received = sa.Table(  # a destination's received numbers once it has more than _INLINE ranges: a row per range
+        # a destination's received numbers once it has more than _INLINE ranges: a row per range
+        self.received = sa.Table(
             prefix + "received", metadata,
             sa.Column("identifier", _ID, primary_key=True),
             sa.Column("lower", sa.BigInteger, primary_key=True, autoincrement=False),
@@ -208,38 +209,45 @@ class SqlStore(Store):
         })
 
     def unnumbered(self, s: Connection, route: str, limit: int) -> list[Outgoing]:
-        query = (self.t.outgoing.select().where(self.t.outgoing.c.route == route, self.t.outgoing.c.seq_key.is_(None))
-                 .order_by(self.t.outgoing.c.seq).limit(limit))
+        t = self.t
+        query = (t.outgoing.select().where(t.outgoing.c.route == route, t.outgoing.c.seq_key.is_(None))
+                 .order_by(t.outgoing.c.seq).limit(limit))
         return [_outgoing(row) for row in s.execute(query)]
 
     def assign(self, s: Connection, key: str, numbered: list[tuple[int, int]]) -> None:
         """One UPDATE for the whole batch (a CASE maps each row to its number)."""
+        t = self.t
         if numbered:
             numbers = dict(numbered)
-            s.execute(self.t.outgoing.update().where(self.t.outgoing.c.seq.in_(list(numbers)))
-                      .values(seq_key=key, number=sa.case(numbers, value=self.t.outgoing.c.seq)))
+            s.execute(t.outgoing.update().where(t.outgoing.c.seq.in_(list(numbers)))
+                      .values(seq_key=key, number=sa.case(numbers, value=t.outgoing.c.seq)))
 
     def numbered(self, s: Connection, key: str, numbers: list[int] | None = None) -> list[Outgoing]:
-        query = self.t.outgoing.select().where(self.t.outgoing.c.seq_key == key)
+        t = self.t
+        query = t.outgoing.select().where(t.outgoing.c.seq_key == key)
         if numbers is not None:
-            query = query.where(self.t.outgoing.c.number.in_(numbers))
-        return [_outgoing(row) for row in s.execute(query.order_by(self.t.outgoing.c.number))]
+            query = query.where(t.outgoing.c.number.in_(numbers))
+        return [_outgoing(row) for row in s.execute(query.order_by(t.outgoing.c.number))]
 
     def release(self, s: Connection, key: str, ranges: AckRanges) -> int:
+        t = self.t
         if not ranges:
             return 0
-        return s.execute(self.t.outgoing.update().where(self.t.outgoing.c.seq_key == key, _numbers_in(self.t.outgoing, ranges))
+        return s.execute(t.outgoing.update().where(t.outgoing.c.seq_key == key, _numbers_in(t.outgoing, ranges))
                          .values(seq_key=None, number=None)).rowcount
 
     def acknowledged(self, s: Connection, key: str, ranges: AckRanges) -> int:
+        t = self.t
         if not ranges:
             return 0
-        return s.execute(self.t.outgoing.delete().where(self.t.outgoing.c.seq_key == key, _numbers_in(self.t.outgoing, ranges))).rowcount
+        query = t.outgoing.delete().where(t.outgoing.c.seq_key == key, _numbers_in(t.outgoing, ranges))
+        return s.execute(query).rowcount
 
     def backlog(self, s: Connection, route: str | None = None) -> int:
-        query = sa.select(sa.func.count()).select_from(self.t.outgoing)
+        t = self.t
+        query = sa.select(sa.func.count()).select_from(t.outgoing)
         if route is not None:
-            query = query.where(self.t.outgoing.c.route == route)
+            query = query.where(t.outgoing.c.route == route)
         return int(s.execute(query).scalar_one())
 
     def save_source(self, s: Connection, info: SourceInfo, record: SourceRecord) -> None:
@@ -249,14 +257,16 @@ class SqlStore(Store):
 
     def create_source(self, s: Connection, info: SourceInfo, record: SourceRecord) -> None:
         record = dataclasses.replace(record, pending=())
-        s.execute(self.t.sources.insert().values(seq_key=record.key, info=_dump(_fields(info)), record=_dump(to_row(record))))
+        s.execute(self.t.sources.insert().values(seq_key=record.key, info=_dump(_fields(info)),
+                                                 record=_dump(to_row(record))))
 
     def sources(self, s: Connection) -> list[tuple[SourceInfo, SourceRecord]]:
         return _with_info(s, self.t.sources, SourceInfo, SourceRecord)
 
     def drop_source(self, s: Connection, key: str) -> None:
-        s.execute(self.t.outgoing.delete().where(self.t.outgoing.c.seq_key == key))
-        s.execute(self.t.sources.delete().where(self.t.sources.c.seq_key == key))
+        t = self.t
+        s.execute(t.outgoing.delete().where(t.outgoing.c.seq_key == key))
+        s.execute(t.sources.delete().where(t.sources.c.seq_key == key))
 
     # ------------------------------------------------------------------ RM Destination side
 
@@ -266,22 +276,23 @@ class SqlStore(Store):
         ``_INLINE`` ranges (a sequence with gaps), as rows of ``qtp_rm_received`` of which only those that
         differ from ``before`` (the committed record, when the caller knows it) are written: a message that
         opens or closes a gap costs a row or two, however many gaps the sequence has."""
+        t = self.t
         inline, rows = _split(record.received)
-        self._upsert(s, self.t.destinations, {"identifier": record.identifier},
+        self._upsert(s, t.destinations, {"identifier": record.identifier},
                      {"info": _dump(_fields(info)), "record": _dump(to_row(dataclasses.replace(record, received=inline)))})
-        key = self.t.received.c.identifier == record.identifier
+        key = t.received.c.identifier == record.identifier
         if before is None:
-            s.execute(self.t.received.delete().where(key))
+            s.execute(t.received.delete().where(key))
             old: set[tuple[int, int]] = set()
         else:
             old = set(_split(before.received)[1])
         new = set(rows)
         gone = [lower for lower, _ in old - new]
         if gone:
-            s.execute(self.t.received.delete().where(key, self.t.received.c.lower.in_(gone)))
+            s.execute(t.received.delete().where(key, t.received.c.lower.in_(gone)))
         added = new - old
         if added:
-            s.execute(self.t.received.insert(), [{"identifier": record.identifier, "lower": lower, "upper": upper}
+            s.execute(t.received.insert(), [{"identifier": record.identifier, "lower": lower, "upper": upper}
                                           for lower, upper in sorted(added)])
 
     def create_destination(self, s: Connection, info: DestinationInfo, record: DestinationRecord) -> None:
@@ -295,12 +306,14 @@ class SqlStore(Store):
         """Every record with its received ranges whole again. A record whose JSON holds more than
         ``_INLINE`` ranges (written before ranges had rows) has them moved to rows here, so that a later
         save that writes only the difference starts from what the rows hold."""
+        t = self.t
         rows: dict[str, list[tuple[int, int]]] = {}
-        for identifier, lower, upper in s.execute(sa.select(self.t.received.c.identifier, self.t.received.c.lower, self.t.received.c.upper)
-                                                  .order_by(self.t.received.c.identifier, self.t.received.c.lower)):
+        r = t.received
+        for identifier, lower, upper in s.execute(sa.select(r.c.identifier, r.c.lower, r.c.upper)
+                                                  .order_by(r.c.identifier, r.c.lower)):
             rows.setdefault(identifier, []).append((lower, upper))
         result = []
-        for info, record in _with_info(s, self.t.destinations, DestinationInfo, DestinationRecord):
+        for info, record in _with_info(s, t.destinations, DestinationInfo, DestinationRecord):
             whole = ranges.union(record.received, rows.get(record.identifier, ()))
             record = dataclasses.replace(record, received=whole)
             if len(whole) > _INLINE and record.identifier not in rows:
@@ -314,21 +327,23 @@ class SqlStore(Store):
             s.execute(table.delete().where(table.c.identifier == identifier))
 
     def store_incoming(self, s: Connection, message: Incoming) -> bool:
-        exists = s.execute(sa.select(self.t.incoming.c.number).where(
-            self.t.incoming.c.identifier == message.identifier, self.t.incoming.c.number == message.number)).first()
+        t = self.t
+        exists = s.execute(sa.select(t.incoming.c.number).where(
+            t.incoming.c.identifier == message.identifier, t.incoming.c.number == message.number)).first()
         if exists is not None:
             return False
-        s.execute(self.t.incoming.insert(), {f: getattr(message, f) for f in _INCOMING_FIELDS})
+        s.execute(t.incoming.insert(), {f: getattr(message, f) for f in _INCOMING_FIELDS})
         return True
 
     def store_incoming_many(self, s: Connection, messages: list[Incoming]) -> None:
         """One multi-row INSERT that skips rows already stored (the primary key is (identifier, number))."""
+        t = self.t
         if not messages:
             return
         if s.dialect.name == "postgresql":
-            statement: Any = postgresql.insert(self.t.incoming).on_conflict_do_nothing()
+            statement: Any = postgresql.insert(t.incoming).on_conflict_do_nothing()
         elif s.dialect.name in ("mysql", "mariadb"):
-            statement = mysql.insert(self.t.incoming)
+            statement = mysql.insert(t.incoming)
             statement = statement.on_duplicate_key_update(identifier=statement.inserted.identifier)
         else:
             for message in messages:
@@ -338,26 +353,29 @@ class SqlStore(Store):
 
     def incoming(self, s: Connection, identifier: str | None = None, number: int | None = None,
                  start: int | None = None, limit: int | None = None) -> list[Incoming]:
-        query = self.t.incoming.select().order_by(self.t.incoming.c.identifier, self.t.incoming.c.number)
+        t = self.t
+        query = t.incoming.select().order_by(t.incoming.c.identifier, t.incoming.c.number)
         if identifier is not None:
-            query = query.where(self.t.incoming.c.identifier == identifier)
+            query = query.where(t.incoming.c.identifier == identifier)
         if number is not None:
-            query = query.where(self.t.incoming.c.number == number)
+            query = query.where(t.incoming.c.number == number)
         if start is not None:
-            query = query.where(self.t.incoming.c.number >= start)
+            query = query.where(t.incoming.c.number >= start)
         if limit is not None:
             query = query.limit(limit)
         return [_incoming(row) for row in s.execute(query)]
 
     def consume(self, s: Connection, identifier: str, number: int) -> bool:
-        result = s.execute(self.t.incoming.delete().where(self.t.incoming.c.identifier == identifier,
-                                                   self.t.incoming.c.number == number))
+        t = self.t
+        result = s.execute(t.incoming.delete().where(t.incoming.c.identifier == identifier,
+                                                   t.incoming.c.number == number))
         return result.rowcount == 1
 
     def applied_before(self, s: Connection, message_ids: list[str]) -> set[str]:
+        t = self.t
         if not message_ids:
             return set()
-        query = sa.select(self.t.applied.c.message_id).where(self.t.applied.c.message_id.in_(message_ids))
+        query = sa.select(t.applied.c.message_id).where(t.applied.c.message_id.in_(message_ids))
         return {row[0] for row in s.execute(query)}
 
     def remember_applied(self, s: Connection, message_ids: list[str], now: float) -> None:
@@ -366,34 +384,40 @@ class SqlStore(Store):
             s.execute(self.t.applied.insert(), [{"message_id": m, "applied_at": now} for m in message_ids])
 
     def forget_applied(self, s: Connection, before: float, limit: int) -> int:
-        old = sa.select(self.t.applied.c.message_id).where(self.t.applied.c.applied_at < before).limit(limit)
+        t = self.t
+        old = sa.select(t.applied.c.message_id).where(t.applied.c.applied_at < before).limit(limit)
         ids = [row[0] for row in s.execute(old)]
         if not ids:
             return 0
-        return s.execute(self.t.applied.delete().where(self.t.applied.c.message_id.in_(ids))).rowcount
+        return s.execute(t.applied.delete().where(t.applied.c.message_id.in_(ids))).rowcount
 
     def consume_many(self, s: Connection, identifier: str, numbers: list[int]) -> int:
+        t = self.t
         if not numbers:
             return 0
-        return s.execute(self.t.incoming.delete().where(self.t.incoming.c.identifier == identifier,
-                                                 self.t.incoming.c.number.in_(numbers))).rowcount
+        return s.execute(t.incoming.delete().where(t.incoming.c.identifier == identifier,
+                                                 t.incoming.c.number.in_(numbers))).rowcount
 
     def note_failure(self, s: Connection, identifier: str, number: int, error: str, not_before: float) -> None:
-        s.execute(self.t.incoming.update().where(self.t.incoming.c.identifier == identifier, self.t.incoming.c.number == number)
-                  .values(attempts=self.t.incoming.c.attempts + 1, not_before=not_before, last_error=error[:4000]))
+        t = self.t
+        s.execute(t.incoming.update().where(t.incoming.c.identifier == identifier, t.incoming.c.number == number)
+                  .values(attempts=t.incoming.c.attempts + 1, not_before=not_before, last_error=error[:4000]))
 
     def save_invoker(self, s: Connection, record: InvokerRecord) -> None:
         self._upsert(s, self.t.invokers, {"identifier": record.identifier}, {"record": _dump(to_row(record))})
 
     def invokers(self, s: Connection) -> list[InvokerRecord]:
+        t = self.t
         return [from_row(InvokerRecord, json.loads(row.record))
-                for row in s.execute(self.t.invokers.select().order_by(self.t.invokers.c.identifier))]
+                for row in s.execute(t.invokers.select().order_by(t.invokers.c.identifier))]
 
     def summary(self, s: Connection) -> Summary:
-        out = s.execute(sa.select(self.t.outgoing.c.route, self.t.outgoing.c.seq_key, sa.func.count(), sa.func.min(self.t.outgoing.c.enqueued_at))
-                        .group_by(self.t.outgoing.c.route, self.t.outgoing.c.seq_key))
-        inc = s.execute(sa.select(self.t.incoming.c.identifier, sa.func.count()).group_by(self.t.incoming.c.identifier))
-        dead = s.execute(sa.select(sa.func.count()).select_from(self.t.dead_letters)).scalar_one()
+        t = self.t
+        o = t.outgoing
+        out = s.execute(sa.select(o.c.route, o.c.seq_key, sa.func.count(), sa.func.min(o.c.enqueued_at))
+                        .group_by(o.c.route, o.c.seq_key))
+        inc = s.execute(sa.select(t.incoming.c.identifier, sa.func.count()).group_by(t.incoming.c.identifier))
+        dead = s.execute(sa.select(sa.func.count()).select_from(t.dead_letters)).scalar_one()
         return Summary({(r, k): (int(n), float(t)) for r, k, n, t in out}, {i: int(n) for i, n in inc}, int(dead))
 
     # ------------------------------------------------------------------ dead letters
@@ -407,7 +431,8 @@ class SqlStore(Store):
                                           "error": error[:4000], "failed_at": now})
 
     def dead_letters(self, s: Connection) -> list[DeadLetter]:
-        return [self._letter(row) for row in s.execute(self.t.dead_letters.select().order_by(self.t.dead_letters.c.id))]
+        t = self.t
+        return [self._letter(row) for row in s.execute(t.dead_letters.select().order_by(t.dead_letters.c.id))]
 
     def dead_letters_per_peer(self, s: Connection) -> dict[str | None, int]:
         counts: dict[str | None, int] = {}
@@ -417,10 +442,11 @@ class SqlStore(Store):
         return counts
 
     def take_dead_letter(self, s: Connection, letter_id: int) -> DeadLetter | None:
-        row = s.execute(self.t.dead_letters.select().where(self.t.dead_letters.c.id == letter_id)).first()
+        t = self.t
+        row = s.execute(t.dead_letters.select().where(t.dead_letters.c.id == letter_id)).first()
         if row is None:
             return None
-        s.execute(self.t.dead_letters.delete().where(self.t.dead_letters.c.id == letter_id))
+        s.execute(t.dead_letters.delete().where(t.dead_letters.c.id == letter_id))
         return self._letter(row)
 
     @staticmethod
