@@ -23,8 +23,8 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
   process each), what the fence before every commit costs;
 - (R) as (L), each node with a second replica waiting as its standby (its own log folder and port, as on
   another host): what a standby costs the owner (their CPU is reported as ``server_standby``, ``client_standby``);
-- (S1) as (L), the server's ``[lease]`` with ``slots = 2`` and the server one process (it holds both slots):
-  what splitting the work into slots costs;
+- (S1) as (L), the server's ``[lease]`` with ``slots = 2`` and the server one process (it holds both slots),
+  behind the same round-robin ``LossyProxy`` as (S2) (one target): what splitting the work into slots costs;
 - (S2) as (S1), the server as two processes sharing the work (``slots = 2``, each its own log folder and port,
   as on hosts of their own) behind a round-robin ``LossyProxy`` without faults, this process (its CPU, with
   the measurement's polls, reported as ``proxy``; the second server process's as ``server_b``), the client

@@ -3,6 +3,7 @@ server node, each holding some of its slots, behind one proxy; judged from the d
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import time
 from pathlib import Path
@@ -220,7 +221,7 @@ def test_signed_requests_are_checked_by_the_slot_whichever_replica_they_reach(pg
 def test_create_sequences_spread_evenly_over_the_slots_and_a_retransmitted_one_gets_its_sequence_anywhere(
         pg_db, tmp_path: Path) -> None:
     from qtp.testing.nodes import post_as, request
-    from qtp.wsrm.codec import decode
+    from qtp.wsrm.codec import decode, encode
     from qtp.wsrm.protocol import CreateSequence
 
     anonymous = "http://www.w3.org/2005/08/addressing/anonymous"
@@ -243,7 +244,9 @@ def test_create_sequences_spread_evenly_over_the_slots_and_a_retransmitted_one_g
         _serving(a)
         wait_until(lambda: len(_slots_of(a)) == 2, 30, "server-a holding both slots")
         ids = [f"urn:uuid:{uuid}" for uuid in ("0" * 31 + str(k) for k in range(6))]
-        made = [create(url("server-a"), m) for m in ids]
+        # six CreateSequence at once: each choice waits for the one before, so they still spread evenly
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            made = list(pool.map(lambda m: create(url("server-a"), m), ids))
         slot = lambda identifier: int(re.search(r":s(\d+):", identifier).group(1))  # noqa: E731
         assert sorted(slot(i) for i in made) == [0, 0, 0, 1, 1, 1]
         assert create(url("server-a"), ids[0]) == made[0]
@@ -252,6 +255,13 @@ def test_create_sequences_spread_evenly_over_the_slots_and_a_retransmitted_one_g
         # through either replica, whichever holds the slot now: the sequence made for that MessageID
         assert [create(url("server-b"), m) for m in ids] == made
         assert [create(url("server-a"), m) for m in ids] == made
+        # a request for a slot this replica does not hold, passed on to it already: a 503 SOAP fault to retry
+        elsewhere = _slots_of(b)[0]
+        answer = requests.post(url("server-a"), timeout=10, data=encode(request(CreateSequence(anonymous))),
+                               headers={"Content-Type": "application/soap+xml", "X-Qtp-Forwarded": "x",
+                                        "X-Qtp-Slot": str(elsewhere)})
+        assert (answer.status_code, answer.headers.get("Retry-After")) == (503, "1")
+        assert "not held here" in decode(answer.content).body.reason
     finally:
         for node in (a, b):
             node.kill()

@@ -280,6 +280,12 @@ class SharedNode:
         with self._home.begin() as conn:
             conn.exec_driver_sql(REPLICA_DDL)
             conn.exec_driver_sql(ROUTE_DDL)
+        try:  # the row that route choices lock (message_id ''): once per node
+            with self._home.begin() as conn:
+                conn.exec_driver_sql(f"INSERT INTO {ROUTE_TABLE} (node_id, message_id, slot, routed_at) "
+                                     "VALUES (%s, '', -1, 0)", (self.node_id,))
+        except sqlalchemy.exc.IntegrityError:
+            pass
         with self._home.begin() as conn:
             for ddl in LEASE_DDL:
                 conn.exec_driver_sql(ddl)
@@ -415,8 +421,8 @@ class SharedNode:
                     "it with every replica stopped)")
             if time.monotonic() - self._routes_pruned > 600:
                 self._routes_pruned = time.monotonic()
-                conn.exec_driver_sql(f"DELETE FROM {ROUTE_TABLE} WHERE node_id = %s AND routed_at < %s",
-                                     (self.node_id, now - ROUTES_KEPT_S))
+                conn.exec_driver_sql(f"DELETE FROM {ROUTE_TABLE} WHERE node_id = %s AND message_id <> '' AND "
+                                     "routed_at < %s", (self.node_id, now - ROUTES_KEPT_S))
             marks = ", ".join(["%s"] * len(ids))
             rows = conn.exec_driver_sql(
                 f"SELECT l.node_id, l.holder FROM {LEASE_TABLE} l JOIN {MEMBER_TABLE} m ON m.node_id = l.node_id "
@@ -505,10 +511,10 @@ class SharedNode:
             environ["wsgi.input"] = BytesIO(body)
             return node.wsgi(environ, start_response)
         if environ.get("HTTP_X_QTP_FORWARDED"):
-            return _busy(environ, start_response, 503, f"slot {slot} is not held here (any more); retry")
+            return _busy(environ, start_response, f"slot {slot} is not held here (any more); retry")
         address = self._holders.get(slot)
         if address is None or address == self.address:
-            return _busy(environ, start_response, 503, f"slot {slot} of node {self.node_id} is being taken over; retry")
+            return _busy(environ, start_response, f"slot {slot} of node {self.node_id} is being taken over; retry")
         return self._forward(address, slot, environ, body, start_response)
 
     def _route(self, environ: dict[str, Any], body: bytes) -> int:
@@ -547,10 +553,19 @@ class SharedNode:
                                        (self.node_id, message_id)).first()
             if row is not None:
                 return int(row[0]) % self.slot_count
+            # one choice at a time (the node's sentinel row, locked): CreateSequences arriving together at
+            # several replicas would otherwise all count the same slot as the least used
+            conn.exec_driver_sql(f"SELECT slot FROM {ROUTE_TABLE} WHERE node_id = %s AND message_id = '' FOR UPDATE",
+                                 (self.node_id,)).first()
+            row = conn.exec_driver_sql(f"SELECT slot FROM {ROUTE_TABLE} WHERE node_id = %s AND message_id = %s",
+                                       (self.node_id, message_id)).first()
+            if row is not None:  # routed by another replica while this one waited
+                return int(row[0]) % self.slot_count
             now = conn.exec_driver_sql(f"SELECT {self._now}").scalar()
             counts = dict.fromkeys(range(self.slot_count), 0)
             for slot, n in conn.exec_driver_sql(f"SELECT slot, COUNT(*) FROM {ROUTE_TABLE} WHERE node_id = %s AND "
-                                                "routed_at > %s GROUP BY slot", (self.node_id, now - 3600)).all():
+                                                "message_id <> '' AND routed_at > %s GROUP BY slot",
+                                                (self.node_id, now - 3600)).all():
                 if int(slot) in counts:
                     counts[int(slot)] = int(n)
             slot = min(counts, key=lambda k: (counts[k], zlib.crc32(message_id.encode()) % self.slot_count != k, k))
@@ -567,7 +582,7 @@ class SharedNode:
     def _forward(self, address: str, slot: int, environ: dict[str, Any], body: bytes,
                  start_response: Callable[..., Any]) -> Iterable[bytes]:
         if not self._forwarding.acquire(blocking=False):
-            return _busy(environ, start_response, 503, "this replica is forwarding as much as it may now; retry")
+            return _busy(environ, start_response, "this replica is forwarding as much as it may now; retry")
         try:
             headers = {name: environ[key] for name, key in _PASSED if environ.get(key)}
             headers[FORWARDED] = self.member
@@ -576,7 +591,7 @@ class SharedNode:
                 answer = self._http.post(address, data=body, headers=headers, timeout=self.limits.http_timeout)
             except requests.RequestException as exc:
                 log.info("node %s: slot %d's replica at %s did not answer (%s)", self.node_id, slot, address, exc)
-                return _busy(environ, start_response, 503, f"slot {slot}'s replica did not answer; retry")
+                return _busy(environ, start_response, f"slot {slot}'s replica did not answer; retry")
         finally:
             self._forwarding.release()
         passed = [(k, v) for k, v in answer.headers.items() if k.lower() in _RELAYED]

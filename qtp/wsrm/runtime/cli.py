@@ -126,7 +126,8 @@ def run_dead_letters(args: argparse.Namespace) -> int:
     if args.slot is None and len(slots) > 1:
         if args.action != "list":
             raise ConfigurationError(f"the node shares its work in {len(slots)} slots, each with its own dead letters: "
-                                     f"say which with --slot K (`qtp dead-letters list` shows every slot's)")
+                                     f"say which: qtp dead-letters --slot K {args.action} [ID ...] (`qtp dead-letters list` "
+                                     "shows every slot's)")
         every = []
         for k in range(len(slots)):
             if args.json:  # one JSON list for scripts, each letter naming its slot
