@@ -571,14 +571,14 @@ def post_as(url: str, message: Envelope | bytes, peer: str | None, secret: str, 
 
 
 def counter(url: str, name: str) -> float | None:
-    """The value of metric ``name`` (one series) at a node's ``/metrics`` ``url``; None when the node does not
-    answer or does not have it."""
+    """The value of metric ``name`` at a node's ``/metrics`` ``url``, summed over its series (a replica sharing
+    the work has one per slot it holds); None when the node does not answer or does not have it."""
     try:
         body = requests.get(url, timeout=2).text
     except requests.RequestException:
         return None
-    line = next((x for x in body.splitlines() if x.startswith(name + "{")), None)
-    return float(line.rsplit(" ", 1)[1]) if line else None
+    values = [float(x.rsplit(" ", 1)[1]) for x in body.splitlines() if x.startswith(name + "{")]
+    return sum(values) if values else None
 
 
 def wait_until(condition, timeout: float, what: str, poll: float = 0.25) -> None:
