@@ -64,6 +64,10 @@ log = logging.getLogger("qtp.wsrm.node")
 
 Handler = Callable[[Any, Message], "bytes | str | None"]
 
+# What Node.from_config builds for a file with [lease] slots > 1: qtp.wsrm.runtime._shared.SharedNode, put here
+# by the package (that module builds Nodes, so this one does not import it)
+_SHARING: list[Callable[[Any], Any]] = []
+
 
 class HandlerTable:
     """The application's handlers: by WS-Addressing Action for requests, by channel for replies."""
@@ -168,9 +172,7 @@ class Node:
 
         lease = load_config(path).lease
         if lease is not None and lease.slots > 1:  # replicas that share the work: qtp.wsrm.runtime._shared
-            from qtp.wsrm.runtime._shared import SharedNode
-
-            return SharedNode(path)  # type: ignore[return-value]
+            return _SHARING[0](path)  # type: ignore[no-any-return]
         manager = TransactionManager.from_config(path)
         node = getattr(manager, "node", None)
         if node is None:
