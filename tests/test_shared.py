@@ -23,7 +23,8 @@ TOOK_SLOT = re.compile(rb"took slot (\d+) of node")
 
 
 def _share(config: Path, slots: int) -> None:
-    """Turn a replica's [lease] (written by the harness) into one that shares the work in ``slots`` slots."""
+    """Turn one replica's [lease] (written by the harness without slots) into one that shares the work in
+    ``slots`` slots: for replicas of one node with different files (``Replicas(slots=)`` gives them all one)."""
     text = config.read_text()
     config.write_text(text.replace("\n[lease]\n", f"\n[lease]\nslots = {slots}\n", 1))
 
@@ -70,10 +71,8 @@ def test_two_replicas_share_a_channels_lanes_and_one_takes_the_others_slot_when_
     client_schema(client_app)
     server_schema(server_app)
     pair = Pair(client_app, server_app, proxy_port=free_port(), reply=True, client_extra="lanes = 4\n")
-    replicas = Replicas(pair, servers=2, clients=1, ttl=2)
+    replicas = Replicas(pair, servers=2, clients=1, ttl=2, slots=2)
     configs = replicas.write(tmp_path)
-    for name in ("server-a", "server-b"):
-        _share(configs[name], 2)
     a, b = (NodeProcess(configs[name], tmp_path / f"{name}.log", {"QTP_TEST_LOG": "INFO"}) for name in ("server-a", "server-b"))
     client = NodeProcess(configs["client"], tmp_path / "client.log",
                          {"QTP_TEST_SEND": "600", "QTP_TEST_RATE": "40", "QTP_TEST_ABORT_EVERY": "0",
@@ -144,10 +143,8 @@ def test_a_paused_replica_loses_its_slot_writes_nothing_after_and_gets_a_slot_ba
     client_schema(client_app)
     server_schema(server_app)
     pair = Pair(client_app, server_app, proxy_port=free_port(), client_extra="lanes = 4\n")
-    replicas = Replicas(pair, servers=2, clients=1, ttl=2)
+    replicas = Replicas(pair, servers=2, clients=1, ttl=2, slots=2)
     configs = replicas.write(tmp_path)
-    for name in ("server-a", "server-b"):
-        _share(configs[name], 2)
     a, b = (NodeProcess(configs[name], tmp_path / f"{name}.log") for name in ("server-a", "server-b"))
     client = NodeProcess(configs["client"], tmp_path / "client.log",
                          {"QTP_TEST_SEND": "1200", "QTP_TEST_RATE": "40", "QTP_TEST_ABORT_EVERY": "0",
@@ -185,10 +182,8 @@ def test_signed_requests_are_checked_by_the_slot_whichever_replica_they_reach(pg
     server_schema(server_app)
     pair = Pair(client_app, server_app, proxy_port=free_port(), reply=True, client_extra="lanes = 4\n",
                 secret="s" * 32)
-    replicas = Replicas(pair, servers=2, clients=1, ttl=2)
+    replicas = Replicas(pair, servers=2, clients=1, ttl=2, slots=2)
     configs = replicas.write(tmp_path)
-    for name in ("server-a", "server-b"):
-        _share(configs[name], 2)
     a, b = (NodeProcess(configs[name], tmp_path / f"{name}.log", {"QTP_TEST_LOG": "INFO"})
             for name in ("server-a", "server-b"))
     client = NodeProcess(configs["client"], tmp_path / "client.log",
@@ -228,10 +223,8 @@ def test_create_sequences_spread_evenly_over_the_slots_and_a_retransmitted_one_g
     server_app = pg_db("server")
     server_schema(server_app)
     pair = Pair(pg_db("client"), server_app, proxy_port=free_port())
-    replicas = Replicas(pair, servers=2, clients=1, ttl=2)
+    replicas = Replicas(pair, servers=2, clients=1, ttl=2, slots=2)
     configs = replicas.write(tmp_path)
-    for name in ("server-a", "server-b"):
-        _share(configs[name], 2)
     a, b = (NodeProcess(configs[name], tmp_path / f"{name}.log") for name in ("server-a", "server-b"))
     url = lambda node: f"http://127.0.0.1:{replicas.ports[node]}/rm"  # noqa: E731
 
@@ -304,10 +297,8 @@ def test_a_replica_that_cannot_take_slots_does_not_stall_the_node(pg_db, maria_d
     client_schema(client_app)
     server_schema(server_app)
     pair = Pair(client_app, server_app, proxy_port=free_port(), client_extra="lanes = 4\n")
-    replicas = Replicas(pair, servers=2, clients=1, ttl=2)
+    replicas = Replicas(pair, servers=2, clients=1, ttl=2, slots=2)
     configs = replicas.write(tmp_path)
-    for name in ("server-a", "server-b"):
-        _share(configs[name], 2)
     broken = configs["server-b"]  # it also names a database that does not answer
     broken.write_text(broken.read_text().replace("\n[recovery]\n", f'\n[resources.unreachable]\nurl = '
                                                  f'"postgresql://u@127.0.0.1:{free_port()}/x"\n\n[recovery]\n', 1))
@@ -336,10 +327,8 @@ def test_a_replica_whose_every_slot_would_fail_to_start_is_refused_before_it_tak
     server_app = pg_db("server")
     server_schema(server_app)
     pair = Pair(pg_db("client"), server_app, proxy_port=free_port())
-    configs = Replicas(pair, servers=2, clients=1, ttl=2).write(tmp_path)
+    configs = Replicas(pair, servers=2, clients=1, ttl=2, slots=2).write(tmp_path)
     wide, no_llr = configs["server-a"], configs["server-b"]
-    for config in (wide, no_llr):
-        _share(config, 2)
     wide.write_text(re.sub(r'(?m)^listen = "127.0.0.1:', 'listen = "0.0.0.0:', wide.read_text(), count=1))
     no_llr.write_text(no_llr.read_text().replace("\n[node]\n", "\n[node]\nllr = false\n", 1))
     for config, said in ((wide, b"metrics_token"), (no_llr, b"llr = true")):
