@@ -91,8 +91,9 @@ class LeaseSettings:
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or not 1 <= self.slots <= MAX_SLOTS:
             raise ConfigurationError(f"[lease] slots must be a whole number from 1 to {MAX_SLOTS}, got {self.slots!r}")
         if self.address is not None and (not isinstance(self.address, str) or
-                                         not self.address.startswith(("http://", "https://"))):
-            raise ConfigurationError(f"[lease] address must be an http:// URL, got {self.address!r}")
+                                         not self.address.startswith("http://")):
+            raise ConfigurationError(f"[lease] address must be an http:// URL (replicas forward to each other over "
+                                     f"plain HTTP), got {self.address!r}")
 
     @property
     def renew_every(self) -> float:

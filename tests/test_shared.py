@@ -341,3 +341,48 @@ def test_a_replica_whose_every_slot_would_fail_to_start_is_refused_before_it_tak
     # refused before it touched the database: not even the lease's tables were made
     assert rows(server_app, "SELECT COUNT(*) FROM information_schema.tables WHERE table_name = 'qtp_node_lease'") \
         == [(0,)]
+
+
+def test_forwarding_sends_again_on_a_fresh_connection_when_the_kept_one_was_closed_by_the_other_replica() -> None:
+    """A replica keeps its connections to the others open between forwards; the other side may close one
+    while idle (its idle limit, a restart). The next forward must reach it on a new connection, not fail."""
+    import http.server
+    import threading
+
+    from qtp.wsrm.runtime._shared import _Links
+
+    seen: list[tuple[str, bytes, str | None]] = []
+
+    class CloseAfterEach(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # the answer says nothing of closing: the client keeps the connection
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append((self.path, body, self.headers.get("X-Qtp-Slot")))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+            self.close_connection = True  # ... and then closes it, as an idle limit would
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), CloseAfterEach)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    links = _Links(timeout=5.0)
+    try:
+        address = f"http://127.0.0.1:{server.server_address[1]}/rm?qtp-slot=1"
+        for n in range(3):
+            time.sleep(0.1)  # the other side has closed the kept connection by now
+            status, _, headers, content = links.post(address, f"m{n}".encode(), {"X-Qtp-Slot": "1"})
+            assert (status, content) == (200, b"ok")
+            assert ("Content-Type", "text/plain") in headers
+        assert seen == [("/rm?qtp-slot=1", f"m{n}".encode(), "1") for n in range(3)]
+        server.shutdown()
+        server.server_close()
+        with pytest.raises(OSError):  # nobody there: the caller answers 503
+            links.post(address, b"m3", {})
+    finally:
+        links.close()

@@ -39,6 +39,7 @@ their order per key; messages sent by two replicas travel in different sequences
 from __future__ import annotations
 
 import contextlib
+import http.client
 import itertools
 import logging
 import math
@@ -53,7 +54,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 from urllib.parse import parse_qs, urlsplit
 
-import requests
 import sqlalchemy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -61,8 +61,9 @@ from prometheus_client.metrics_core import Metric
 from qtp.config import load_config
 from qtp.coordinator._lease import _NOW, LEASE_TABLE, MEMBER_TABLE, REPLICA_TABLE, lease_home, process_member
 from qtp.coordinator._lease import DDL as LEASE_DDL
+from qtp.coordinator._lease import _first_line
 from qtp.errors import ConfigurationError, QtpError
-from qtp.wsrm.runtime._endpoint import Endpoint, _bare_fault
+from qtp.wsrm.runtime._endpoint import Endpoint, _bare_fault, _plain
 from qtp.wsrm.runtime._http import HttpServer
 from qtp.wsrm.runtime._ids import SLOT_QUERY
 from qtp.wsrm.runtime._node import Node, _listen_address
@@ -87,6 +88,8 @@ _PASSED = (("Content-Type", "CONTENT_TYPE"), ("Accept", "HTTP_ACCEPT"), ("SOAPAc
            (HEADER, WSGI_HEADER))  # request headers a forwarded request keeps (the signature: the slot checks it)
 _RELAYED = ("content-type", BOOT_HEADER.lower(), HEADER.lower())  # answer headers relayed back
 SETTLE_S = 1.0  # a slot is handed back (to a replica below its share) only once held this long
+_RETRY = [("Retry-After", "1")]  # on every 503 of a replica: the slot's holder is being settled, soon back
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
 _MESSAGE_ID = re.compile(rb"MessageID[^>]*>\s*([^<\s]+)\s*<")
 
 
@@ -208,9 +211,7 @@ class SharedNode:
         self._thread: threading.Thread | None = None
         self._server: HttpServer | None = None
         self._forwarding = threading.BoundedSemaphore(max(1, self.limits.http_threads // 2))
-        self._http = requests.Session()
-        self._http.mount("http://", requests.adapters.HTTPAdapter(pool_connections=4,
-                                                                  pool_maxsize=self.limits.http_threads))
+        self._links = _Links(self.limits.http_timeout)
         self._polls = itertools.count()
         self._tag = re.compile(rb"urn:qtp:" + re.escape(self.node_id.encode()) + rb":s(\d+):")
         # one boot and one memory of signatures for all this replica's slots; the other live replicas' boots are
@@ -327,7 +328,7 @@ class SharedNode:
         if self._server is not None:
             self._server.stop()
         self.started = False
-        self._http.close()
+        self._links.close()
         self._home.dispose()
 
     stop = close
@@ -501,7 +502,7 @@ class SharedNode:
                 or int(length) > self.limits.max_request_bytes:
             node = self.first_slot()  # its endpoint answers /metrics, 404, 405, 411, 413 as a node does
             if node is None:
-                return _plain(start_response, 503, "this replica holds no slot now; retry")
+                return _plain(start_response, 503, "this replica holds no slot now; retry", _RETRY)
             return node.wsgi(environ, start_response)
         body = environ["wsgi.input"].read(int(length))
         slot = self._route(environ, body)
@@ -588,16 +589,17 @@ class SharedNode:
             headers[FORWARDED] = self.member
             headers[SLOT_HEADER] = str(slot)
             try:
-                answer = self._http.post(address, data=body, headers=headers, timeout=self.limits.http_timeout)
-            except requests.RequestException as exc:
-                log.info("node %s: slot %d's replica at %s did not answer (%s)", self.node_id, slot, address, exc)
+                status, reason, answer_headers, content = self._links.post(address, body, headers)
+            except (OSError, http.client.HTTPException) as exc:
+                log.info("node %s: slot %d's replica at %s did not answer (%s)", self.node_id, slot, address,
+                         _first_line(exc))
                 return _busy(environ, start_response, f"slot {slot}'s replica did not answer; retry")
         finally:
             self._forwarding.release()
-        passed = [(k, v) for k, v in answer.headers.items() if k.lower() in _RELAYED]
-        passed.append(("Content-Length", str(len(answer.content))))
-        start_response(f"{answer.status_code} {answer.reason or 'Answer'}", passed)
-        return [answer.content]
+        passed = [(k, v) for k, v in answer_headers if k.lower() in _RELAYED]
+        passed.append(("Content-Length", str(len(content))))
+        start_response(f"{status} {reason or 'Answer'}", passed)
+        return [content]
 
     def exposition(self) -> tuple[bytes, str]:
         """``/metrics`` of this replica: every slot it holds, each sample labelled with its ``slot``."""
@@ -619,6 +621,64 @@ class SharedNode:
                 "slot_count": self.slot_count, "live_replicas": self._live, "holders": dict(self._holders)}
 
 
+class _Links:
+    """Keep-alive HTTP connections to the other replicas, one per thread and replica (http.client: a forward
+    is one POST and its answer, relayed as they are, at a fraction of a general HTTP client's cost).
+
+    A kept connection the other replica has closed meanwhile (its idle limit, its restart) fails on the next
+    use before any answer; the request is then sent once more on a new connection. Sending a request twice is
+    what a peer's own retransmission does: the slot recognises what it already has."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._local = threading.local()
+        self._opened: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def post(self, address: str, body: bytes, headers: dict[str, str]) -> tuple[int, str, list[tuple[str, str]], bytes]:
+        """(status, reason, headers, body) of the answer to a POST of ``body`` to ``address`` (http://)."""
+        parts = urlsplit(address)
+        target = parts.path or "/"
+        if parts.query:
+            target += "?" + parts.query
+        kept = self._local.__dict__.setdefault("links", {})
+        for again in (False, True):
+            conn = kept.get(parts.netloc)
+            reused = conn is not None
+            if conn is None:
+                conn = http.client.HTTPConnection(parts.hostname or "localhost", parts.port or 80,
+                                                  timeout=self.timeout)
+                with self._lock:
+                    self._opened = [c for c in self._opened if c.sock is not None]
+                    self._opened.append(conn)
+                kept[parts.netloc] = conn
+            try:
+                conn.request("POST", target, body=body, headers=headers)
+                answer = conn.getresponse()
+                content = answer.read()
+            except _STALE:
+                conn.close()
+                kept.pop(parts.netloc, None)
+                if reused and not again:
+                    continue
+                raise
+            except BaseException:
+                conn.close()
+                kept.pop(parts.netloc, None)
+                raise
+            if answer.will_close:
+                conn.close()
+                kept.pop(parts.netloc, None)
+            return answer.status, answer.reason, answer.getheaders(), content
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._opened = self._opened, []
+        for conn in opened:
+            conn.close()
+
+
 class _Families:
     """A collector of metric families already gathered."""
 
@@ -633,19 +693,9 @@ def _busy(environ: dict[str, Any], start_response: Callable[..., Any], text: str
     """503 for a SOAP request a replica cannot pass on now: a SOAP fault (the peer reads why), Retry-After 1."""
     soap = soap_version_of(environ.get("CONTENT_TYPE"))
     if soap is None:
-        return _plain(start_response, 503, text)
+        return _plain(start_response, 503, text, _RETRY)
     status, headers, body = Endpoint._respond(_bare_fault(soap, "Receiver", text), 503)
     start_response("503 Service Unavailable", [*headers, ("Retry-After", "1")])
     return [body]
 
 
-def _plain(start_response: Callable[..., Any], status: int, text: str) -> list[bytes]:
-    body = text.encode()
-    reason = {503: "Service Unavailable"}.get(status, "Error")
-    start_response(f"{status} {reason}", [("Content-Type", "text/plain; charset=utf-8"),
-                                          ("Content-Length", str(len(body))), ("Retry-After", "1")])
-    return [body]
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(getattr(exc, "orig", None) or exc).splitlines()[0][:200]
