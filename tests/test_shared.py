@@ -15,9 +15,8 @@ from qtp.config import load_config
 from qtp.embedded import free_port
 from qtp.errors import ConfigurationError
 from qtp.testing.lossy_proxy import LossyProxy
-from qtp.testing.nodes import (NodeProcess, Pair, Replicas, applied_id_mark, check_exactly_once, client_schema, rows,
-                               server_schema,
-                               wait_until)
+from qtp.testing.nodes import (NodeProcess, Pair, Replicas, applied_id_mark, check_exactly_once, client_schema, create,
+                               rows, server_schema, wait_until)
 
 TOOK_SLOT = re.compile(rb"took slot (\d+) of node")
 
@@ -118,9 +117,19 @@ def test_status_and_recover_act_on_each_slot_and_recover_refuses_beside_a_live_r
     qtp = lambda *args: subprocess.run([sys.executable, "-m", "qtp", *args, "--config", str(configs["server-a"])],  # noqa: E731
                                        capture_output=True, text=True, timeout=120)
     a = NodeProcess(configs["server-a"], tmp_path / "server-a.log")
+    # a replica killed long ago left its row (a clean close deletes it): the replicas prune it; another node's stays
+    from qtp.wsrm.runtime._shared import REPLICA_DDL
+
+    node_id = load_config(configs["server-a"]).node_id
+    create(server_app, REPLICA_DDL)
+    for node, member in ((node_id, "killed-long-ago"), ("another-node", "killed-long-ago")):
+        create(server_app, "INSERT INTO qtp_node_replica (node_id, member, address, boot, slots, ready, seen_at, "
+                         f"expires_at) VALUES ('{node}', '{member}', 'http://x/rm', 'b', 2, 1, 0, 1)")
     try:
         _serving(a)
         wait_until(lambda: _slots_of(a) == [0, 1], 30, "server-a holding both slots")
+        assert rows(server_app, "SELECT node_id FROM qtp_node_replica WHERE member = 'killed-long-ago'") == \
+            [("another-node",)]
         shown = qtp("status", "--json")
         statuses = json.loads(shown.stdout)
         assert [s["node_id"] for s in statuses] == [f"{load_config(configs['server-a']).node_id}.s{k}" for k in (0, 1)]

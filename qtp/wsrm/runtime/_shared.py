@@ -59,7 +59,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import Metric
 
 from qtp.config import load_config
-from qtp.coordinator._lease import _NOW, LEASE_TABLE, MEMBER_TABLE, REPLICA_TABLE, lease_home, process_member
+from qtp.coordinator._lease import (_NOW, FORGET_MEMBERS_S, LEASE_TABLE, MEMBER_TABLE, REPLICA_TABLE, lease_home,
+                                   process_member)
 from qtp.coordinator._lease import DDL as LEASE_DDL
 from qtp.coordinator._lease import _first_line
 from qtp.errors import ConfigurationError, QtpError
@@ -194,7 +195,7 @@ class SharedNode:
                                               pool_pre_ping=True)
         self._family = "postgresql" if self._home.dialect.name == "postgresql" else "mysql"
         self._now = _NOW[self._family]  # the lease database's clock: every time in these tables is its
-        self._routes_pruned = 0.0
+        self._routes_pruned = -math.inf  # (the first look prunes)
         self._registrations: list[_Registration] = []
         self.handlers: dict[str, Any] = {}  # by action, as Node.handlers (what `qtp serve` counts)
         self._slots: dict[int, Node] = {}
@@ -424,6 +425,9 @@ class SharedNode:
                 self._routes_pruned = time.monotonic()
                 conn.exec_driver_sql(f"DELETE FROM {ROUTE_TABLE} WHERE node_id = %s AND message_id <> '' AND "
                                      "routed_at < %s", (self.node_id, now - ROUTES_KEPT_S))
+                # rows of replicas gone that long (a clean close deletes its own; a kill leaves it)
+                conn.exec_driver_sql(f"DELETE FROM {REPLICA_TABLE} WHERE node_id = %s AND expires_at < %s",
+                                     (self.node_id, now - FORGET_MEMBERS_S))
             marks = ", ".join(["%s"] * len(ids))
             rows = conn.exec_driver_sql(
                 f"SELECT l.node_id, l.holder FROM {LEASE_TABLE} l JOIN {MEMBER_TABLE} m ON m.node_id = l.node_id "
