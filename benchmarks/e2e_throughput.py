@@ -38,13 +38,16 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
 - (c) the serial baseline: the same outbox, but one message per POST and one commit per message at the
   server (what issue 9 measured).
 
-Every target is a ratio to (s) measured in the same round; (S1) and (S2) are also given as ratios to (L).
+Every target is a ratio to (s) measured in the same round; (S1) and (S2) are also given as ratios to (L), and
+(S2) to (S1), both by the window rate and by the end-to-end rate (every message, from the first order
+committed to the last applied).
 Variants run interleaved, ``--rounds`` times each, at each ``--threads`` count; throughput is measured in
 the steady part of each run (from 10 % to 90 % of the messages applied). ``--rate R`` paces the senders at
 R messages/s in all (the latency at a given load); ``--batch-handler`` makes the qtp server apply with a
 batch handler (one ``executemany`` per transaction, as the strong baseline does); ``--lanes N`` gives the
 qtp client's channel N lanes (N sequences; a server with slots works each sequence in one slot, so (S1) and
-(S2) spread over their slots only with lanes). The client CPU of (s) and (c) is this process's (its app and
+(S2) spread over their slots only with lanes). The measurement reads the databases every 50 ms and the
+servers' ``/metrics`` every ``METRICS_EVERY_S`` (the stored stage, so its rate is the coarsest). The client CPU of (s) and (c) is this process's (its app and
 relay threads, plus the polling of the measurement). Results: a table on stdout and ``--json``.
 
     python benchmarks/e2e_throughput.py [--messages 2000] [--rounds 2] [--threads 1,16] [--variants a,b,r,s,c]
@@ -87,6 +90,7 @@ LABELS = {"a": "qtp xa, queues co-located", "A": "qtp xa, co-located, authentica
           "S1": "qtp xa, [lease], slots = 2, one server", "S2": "qtp xa, [lease], slots = 2, two servers",
           "s": "strong outbox baseline", "c": "serial outbox baseline"}
 SLOTS = 2  # (S1), (S2)
+METRICS_EVERY_S = 0.5  # the servers' /metrics (the stored stage) is read this often; the databases every 50 ms
 QTP_VARIANTS = ("a", "A", "L", "R", "S1", "S2", "b", "r", "p", "d")
 STRONG_BATCH = 500
 
@@ -110,8 +114,15 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
     enqueue-to-apply time."""
     stages = {"sent": lambda: rows(client_url, "SELECT COUNT(*) FROM orders")[0][0],
               "applied": lambda: rows(server_url, "SELECT COUNT(*) FROM applied")[0][0]}
-    if metrics:
-        stages["stored"] = lambda: _summed(metrics, "qtp_messages_received_total") or 0.0
+    if metrics:  # scraped every METRICS_EVERY polls: as often as the databases, /metrics would load the
+        # servers more than any monitoring does (twice as much with two processes, as in (S2))
+        scraped = {"at": -METRICS_EVERY_S, "n": 0.0}
+
+        def stored() -> float:
+            if time.monotonic() - scraped["at"] >= METRICS_EVERY_S:
+                scraped["at"], scraped["n"] = time.monotonic(), _summed(metrics, "qtp_messages_received_total") or 0.0
+            return scraped["n"]
+        stages["stored"] = stored
     if replies:
         stages["replied"] = lambda: rows(client_url, "SELECT COUNT(*) FROM replies")[0][0]
     marks: dict[tuple[str, float], float] = {}
@@ -124,6 +135,10 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
             for share in (0.1, 0.9):
                 if (name, share) not in marks and n >= share * total:
                     marks[name, share] = now
+        if ("sent", 0.0) not in marks and counts["sent"]:
+            marks["sent", 0.0] = now
+        if counts["applied"] >= total and ("applied", 1.0) not in marks:
+            marks["applied", 1.0] = now
         if counts["applied"] >= total and counts.get("replied", total) >= total:
             break
         time.sleep(0.05)
@@ -134,6 +149,12 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
         low, high = marks.get((name, 0.1)), marks.get((name, 0.9))
         rate = 0.8 * total / (high - low) if low is not None and high is not None and high > low else 0.0
         result["rate" if name == "applied" else f"{name}_rate"] = round(rate, 1)
+    # every message, from the first order committed to the last one applied: what the workload takes end to
+    # end. The window rate above is the apply rate once under way; when the senders are the limit it also
+    # rewards a server that falls behind at first and catches up later (its window is shorter).
+    first, last = marks.get(("sent", 0.0)), marks.get(("applied", 1.0))
+    result["completion_rate"] = round(total / (last - first), 1) if first is not None and last and last > first \
+        else 0.0
     if cpu is not None:
         result["cpu_ms_per_msg"] = cpu.per_message(len(latencies))
     if metrics:
@@ -418,25 +439,32 @@ def summarise(results: list[dict]) -> dict:
             runs = [r for r in results if r["threads"] == threads and r["variant"] == variant]
             if runs:
                 row[variant] = {name: statistics.median(r.get(name, 0.0) for r in runs)
-                                for name in ("rate", "sent_rate", "stored_rate", "replied_rate", "p50_ms", "p99_ms")}
+                                for name in ("rate", "sent_rate", "stored_rate", "replied_rate", "completion_rate",
+                                             "p50_ms", "p99_ms")}
                 if all("client_commits_per_msg" in r for r in runs):
                     row[variant]["client_commits_per_msg"] = statistics.median(r["client_commits_per_msg"] for r in runs)
                 row[variant]["cpu_ms_per_msg"] = {
                     proc: round(statistics.median(r["cpu_ms_per_msg"][proc] for r in runs), 3)
                     for proc in runs[0].get("cpu_ms_per_msg", {})}
-        for base, variants in (("s", QTP_VARIANTS), ("c", QTP_VARIANTS), ("L", ("S1", "S2"))):
+        for base, variants in (("s", QTP_VARIANTS), ("c", QTP_VARIANTS), ("L", ("S1", "S2")), ("S1", ("S2",))):
             if base in row and row[base]["rate"]:
                 for variant in variants:
                     if variant in row:
                         row[variant][f"ratio_to_{base}"] = round(row[variant]["rate"] / row[base]["rate"], 2)
+                        if base in ("L", "S1") and row[base]["completion_rate"]:  # two processes against one
+                            row[variant][f"completion_ratio_to_{base}"] = round(
+                                row[variant]["completion_rate"] / row[base]["completion_rate"], 2)
         summary[threads] = row
         for variant, x in row.items():
-            ratios = "".join(f" = {x[k]:.2f}x ({k[-1]})" for k in ("ratio_to_s", "ratio_to_c", "ratio_to_L") if k in x)
+            ratios = "".join(f" = {x[k]:.2f}x ({k.rsplit('_', 1)[1]})" for k in
+                             ("ratio_to_s", "ratio_to_c", "ratio_to_L", "ratio_to_S1") if k in x)
+            done = "".join(f" = {x[k]:.2f}x ({k.rsplit('_', 1)[1]})" for k in
+                           ("completion_ratio_to_L", "completion_ratio_to_S1") if k in x)
             cpu = " ".join(f"{proc} {ms:.2f}" for proc, ms in x["cpu_ms_per_msg"].items())
             replied = f"; replies {x['replied_rate']:.0f}/s" if x.get("replied_rate") else ""
             commits = f"; client commits/msg {x['client_commits_per_msg']:.2f}" if "client_commits_per_msg" in x else ""
             print(f"{threads:2d} thread(s) ({variant}) {LABELS[variant]:40s} {x['rate']:7.1f} msg/s{ratios}{replied}{commits}; "
-                  f"sent {x['sent_rate']:.0f}/s; p50 {x['p50_ms']:.1f} ms p99 {x['p99_ms']:.1f} ms; CPU ms/msg: {cpu}")
+                  f"sent {x['sent_rate']:.0f}/s; end to end {x['completion_rate']:.0f}/s{done}; p50 {x['p50_ms']:.1f} ms p99 {x['p99_ms']:.1f} ms; CPU ms/msg: {cpu}")
     return summary
 
 
