@@ -146,6 +146,26 @@ def test_a_batching_peer_gets_fewer_requests_than_messages():
     assert all(len(r.messages) <= 4 for r in carrying)
 
 
+def test_a_batch_is_cut_where_its_payloads_would_pass_the_request_size_limit():
+    """Outside finding: batches were cut by count only, so payloads that each fit ([limits] max_request_bytes,
+    checked by tx.send) went out together over the limit, were answered 413, and were sent so again for ever."""
+    limit = 64 * 1024
+    rig = build(limits=Limits(max_request_bytes=limit), peer=FakePeer(batch=50))
+    sizes: list[int] = []
+    post_raw = rig.transport.post_raw
+    rig.transport.post_raw = lambda url, data, content_type: (sizes.append(len(data)), post_raw(url, data, content_type))[1]
+    with rig.store.local() as s:
+        for k in range(7):
+            rig.store.enqueue(s, Outgoing("out", f"urn:uuid:m{k}", ACTION, b"<i>" + b"x" * 25_000 + b"</i>",
+                                          rig.clock.time()))
+    rig.wake()
+    for _ in range(5):
+        rig.tick(1.0)
+    seq = rig.only()
+    assert rig.peer.received[seq.identifier] == list(range(1, 8))
+    assert len(sizes) >= 3 and max(sizes) <= limit, sizes  # two payloads a request at most, never over the limit
+
+
 def test_a_peer_without_batches_gets_one_message_per_request_in_number_order():
     rig = build(peer=FakePeer(batch=None))
     rig.enqueue(4)

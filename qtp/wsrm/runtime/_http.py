@@ -500,6 +500,8 @@ def _parse_head(head: bytes, base: dict[str, Any], max_body: int) -> tuple[dict[
             continue
         if not sep or not name or name != name.strip():
             raise _Refused(400, "malformed header field")
+        if "\r" in value or "\n" in value or "\0" in value:  # RFC 9110 5.5: refused, not passed on
+            raise _Refused(400, "a header field value holds CR, LF or NUL")
         key = name.upper().replace("-", "_")
         key = key if key in ("CONTENT_TYPE", "CONTENT_LENGTH") else "HTTP_" + key
         value = value.strip()

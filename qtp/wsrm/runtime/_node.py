@@ -49,6 +49,7 @@ from qtp.wsrm.runtime._security import BOOT_HEADER
 from qtp.wsrm.runtime._sender import Sender
 from qtp.wsrm.runtime._sequences import Destinations, Sources
 from qtp.wsrm.runtime._settings import (
+    PAYLOAD_ROOM,
     ChannelSettings,
     Limits,
     NodeSettings,
@@ -244,9 +245,9 @@ class Node:
     def check_size(self, payload: bytes) -> None:
         """ConfigurationError when ``payload`` would not fit in a request to a peer ([limits] max_request_bytes,
         less room for the envelope): refused when it is sent, rather than answered 413 by the peer for ever."""
-        if len(payload) > self.limits.max_request_bytes - 4096:
+        if len(payload) > self.limits.max_request_bytes - PAYLOAD_ROOM:
             raise ConfigurationError(f"the payload of {len(payload)} bytes is over the limit of "
-                                     f"{self.limits.max_request_bytes - 4096} ([limits] max_request_bytes)")
+                                     f"{self.limits.max_request_bytes - PAYLOAD_ROOM} ([limits] max_request_bytes)")
 
     def enqueue(self, tx: Any, channel: str, payload: bytes | str, action: str, message_id: str | None = None,
                 key: str | None = None) -> str:

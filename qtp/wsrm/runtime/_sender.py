@@ -118,7 +118,7 @@ from qtp.wsrm.runtime._ownership import Ownership, Source
 from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock, Run, Wake
 from qtp.wsrm.runtime._security import Security
 from qtp.wsrm.runtime._sequences import Outbound, Sources
-from qtp.wsrm.runtime._settings import ChannelSettings, Limits, channel_name
+from qtp.wsrm.runtime._settings import PAYLOAD_ROOM, ChannelSettings, Limits, channel_name
 from qtp.wsrm.runtime._stores import Stores
 from qtp.wsrm.runtime._transport import Transport, TransportError, wire
 from qtp.wsrm.store import Outgoing, SourceInfo, Store
@@ -131,6 +131,7 @@ _WSA = {v.value: v for v in WsaVersion}
 _LIVE = (S.NEW, S.CREATING, S.ACTIVE)
 _ENDED = (S.TERMINATED, S.FAILED)
 _HEARD = (AckReceived, CloseResponded, TerminateResponded, FaultReceived)  # the peer is there
+ENVELOPE_BYTES = 1024  # what one message's envelope adds to its payload in a batch (headers; counted generously)
 FILL_INTERVAL_S = 5.0  # with no wake-up call, routes are looked at for new messages this often (a safety net)
 
 
@@ -501,6 +502,7 @@ class Sender:
         waiting = {number for number, _, _ in record.pending}
         batch = [t for t in batch if t.number in waiting]
         messages = self._messages(seq, [t.number for t in batch if not t.last_message])
+        batch = self._fitting(seq, batch, messages)
         envelopes = [e for e in (self._message_envelope(seq, record, t, messages.get(t.number))
                                  for t in batch) if e is not None]
         if not envelopes:
@@ -515,6 +517,24 @@ class Sender:
             rtt = self.clock.monotonic() - began
             with seq.io:
                 seq.rtt.sample(rtt)
+
+    def _fitting(self, seq: Outbound, batch: list[Transmit], messages: dict[int, Outgoing]) -> list[Transmit]:
+        """The first messages of ``batch`` that fit in one request together: their payloads, and each one's
+        envelope, within ``max_request_bytes`` less the room ``tx.send`` leaves each payload (a peer with the
+        same limits takes the request). The rest go back to the pump, for the next request."""
+        room, used, kept = self.limits.max_request_bytes - PAYLOAD_ROOM, 0, 0
+        for t in batch:
+            message = messages.get(t.number)
+            size = ENVELOPE_BYTES + (len(message.payload) if message is not None and message.payload else 0)
+            if kept and used + size > room:
+                break
+            used += size
+            kept += 1
+        if kept < len(batch):
+            with seq.io:
+                for t in batch[kept:]:
+                    seq.pump.waiting.setdefault(t.number, t)
+        return batch[:kept]
 
     def _messages(self, seq: Outbound, numbers: list[int]) -> dict[int, Outgoing]:
         """The stored messages of ``numbers``: from memory, else (after a restart) in one query."""

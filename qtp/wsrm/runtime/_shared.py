@@ -87,7 +87,9 @@ FORWARDED = "X-Qtp-Forwarded"  # set on a request one replica passes to another
 SLOT_HEADER = "X-Qtp-Slot"
 _PASSED = (("Content-Type", "CONTENT_TYPE"), ("Accept", "HTTP_ACCEPT"), ("SOAPAction", "HTTP_SOAPACTION"),
            (HEADER, WSGI_HEADER))  # request headers a forwarded request keeps (the signature: the slot checks it)
-_RELAYED = ("content-type", BOOT_HEADER.lower(), HEADER.lower())  # answer headers relayed back
+_RELAYED = ("content-type", "retry-after", BOOT_HEADER.lower(), HEADER.lower())  # answer headers relayed back
+_NOT_A_SLOT = 1 << 30
+UNANSWERED_SAID_S = 60.0  # a replica that does not answer forwards is logged at most this often per address
 SETTLE_S = 1.0  # a slot is handed back (to a replica below its share) only once held this long
 _RETRY = [("Retry-After", "1")]  # on every 503 of a replica: the slot's holder is being settled, soon back
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
@@ -211,8 +213,13 @@ class SharedNode:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._server: HttpServer | None = None
-        self._forwarding = threading.BoundedSemaphore(max(1, self.limits.http_threads // 2))
-        self._links = _Links(self.limits.http_timeout)
+        if self.limits.http_threads < 2:
+            raise ConfigurationError(f"node {self.node_id!r}: replicas that share the work need [limits] http_threads "
+                                     f"of 2 or more (half of them may wait on forwards), got {self.limits.http_threads}")
+        forwards = self.limits.http_threads // 2
+        self._forwarding = threading.BoundedSemaphore(forwards)
+        self._links = _Links(self.limits.http_timeout, keep=forwards)
+        self._unanswered: dict[str, float] = {}  # address -> when a failed forward to it was last logged
         self._polls = itertools.count()
         self._tag = re.compile(rb"urn:qtp:" + re.escape(self.node_id.encode()) + rb":s(\d+):")
         # one boot and one memory of signatures for all this replica's slots; the other live replicas' boots are
@@ -361,6 +368,7 @@ class SharedNode:
             if lease is None or lease.lost.is_set():
                 self._release(k, f"its lease was lost ({lease.lost_reason if lease else 'never taken'})")
         live, ready, holders = self._look()
+        self._links.keep_only(address for member, address in live.items() if member != self.member)
         self._live = len(live)
         self._holders = {k: live[m] for k, m in holders.items() if m in live}
         # the fair share counts the replicas that can take slots: not one whose last take failed (its backoff)
@@ -527,14 +535,13 @@ class SharedNode:
         holds only its own sequences (any other identifier is unknown there), and sequences are made by
         CreateSequence, whichever slot it reaches."""
         header = environ.get("HTTP_X_QTP_SLOT")
-        if environ.get("HTTP_X_QTP_FORWARDED") and header is not None and header.isdigit() \
-                and int(header) < self.slot_count:
+        if environ.get("HTTP_X_QTP_FORWARDED") and _number(header or "") < self.slot_count:
             return int(header)  # as the replica that forwarded it chose (a poll's turn, a CreateSequence's route)
         tagged = self._tag.search(body)
         if tagged is not None and int(tagged.group(1)) < self.slot_count:
             return int(tagged.group(1))
         query = (parse_qs(environ.get("QUERY_STRING", "")).get(SLOT_QUERY) or [""])[0]
-        if query.isdigit() and int(query) < self.slot_count:
+        if _number(query) < self.slot_count:
             return int(query)  # acknowledgements POSTed to a slot's AcksTo
         if b"CreateSequence" in body:
             found = _MESSAGE_ID.search(body)
@@ -595,9 +602,15 @@ class SharedNode:
             try:
                 status, reason, answer_headers, content = self._links.post(address, body, headers)
             except (OSError, http.client.HTTPException) as exc:
-                log.info("node %s: slot %d's replica at %s did not answer (%s)", self.node_id, slot, address,
-                         _first_line(exc))
+                now = time.monotonic()
+                if now - self._unanswered.get(address, -math.inf) >= UNANSWERED_SAID_S:
+                    self._unanswered[address] = now
+                    log.warning("node %s: slot %d's replica at %s did not answer a forward (%s); requests for "
+                                "the slot are answered 503 (said once a minute per address: is it down, or is "
+                                "its [lease] address wrong?)", self.node_id, slot, address, _first_line(exc))
                 return _busy(environ, start_response, f"slot {slot}'s replica did not answer; retry")
+            except ValueError as exc:  # a header http.client will not send (the server refuses CR, LF, NUL first)
+                return _plain(start_response, 400, f"not forwarded: {_first_line(exc)}")
         finally:
             self._forwarding.release()
         passed = [(k, v) for k, v in answer_headers if k.lower() in _RELAYED]
@@ -626,18 +639,22 @@ class SharedNode:
 
 
 class _Links:
-    """Keep-alive HTTP connections to the other replicas, one per thread and replica (http.client: a forward
-    is one POST and its answer, relayed as they are, at a fraction of a general HTTP client's cost).
+    """Kept-alive HTTP connections to the other replicas (http.client: a forward is one POST and its answer,
+    relayed as they are, at a fraction of a general HTTP client's cost). A forward takes an idle connection
+    to its replica or opens one, and gives it back after the answer; at most ``keep`` stay idle per replica
+    (as many as may forward at once), and those of an address no live replica has any more are closed
+    (``keep_only``).
 
     A kept connection the other replica has closed meanwhile (its idle limit, its restart) fails on the next
     use before any answer; the request is then sent once more on a new connection. Sending a request twice is
     what a peer's own retransmission does: the slot recognises what it already has."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, keep: int):
         self.timeout = timeout
-        self._local = threading.local()
-        self._opened: list[http.client.HTTPConnection] = []
+        self.keep = keep
+        self._idle: dict[str, list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def post(self, address: str, body: bytes, headers: dict[str, str]) -> tuple[int, str, list[tuple[str, str]], bytes]:
         """(status, reason, headers, body) of the answer to a POST of ``body`` to ``address`` (http://)."""
@@ -645,41 +662,61 @@ class _Links:
         target = parts.path or "/"
         if parts.query:
             target += "?" + parts.query
-        kept = self._local.__dict__.setdefault("links", {})
         for again in (False, True):
-            conn = kept.get(parts.netloc)
+            with self._lock:
+                idle = self._idle.get(parts.netloc)
+                conn = idle.pop() if idle else None
             reused = conn is not None
             if conn is None:
                 conn = http.client.HTTPConnection(parts.hostname or "localhost", parts.port or 80,
                                                   timeout=self.timeout)
-                with self._lock:
-                    self._opened = [c for c in self._opened if c.sock is not None]
-                    self._opened.append(conn)
-                kept[parts.netloc] = conn
             try:
                 conn.request("POST", target, body=body, headers=headers)
                 answer = conn.getresponse()
                 content = answer.read()
             except _STALE:
                 conn.close()
-                kept.pop(parts.netloc, None)
                 if reused and not again:
                     continue
                 raise
             except BaseException:
                 conn.close()
-                kept.pop(parts.netloc, None)
                 raise
             if answer.will_close:
                 conn.close()
-                kept.pop(parts.netloc, None)
+            else:
+                self._give(parts.netloc, conn)
             return answer.status, answer.reason, answer.getheaders(), content
         raise AssertionError("unreachable")
 
+    def _give(self, netloc: str, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(netloc, [])
+            if not self._closed and len(idle) < self.keep:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def keep_only(self, addresses: Iterable[str]) -> None:
+        """Close the idle connections to every address but ``addresses`` (the live replicas')."""
+        live = {urlsplit(a).netloc for a in addresses}
+        with self._lock:
+            gone = [netloc for netloc in self._idle if netloc not in live]
+            dropped = [conn for netloc in gone for conn in self._idle.pop(netloc)]
+        for conn in dropped:
+            conn.close()
+
+    def idle(self) -> dict[str, int]:
+        """Idle kept connections per replica (host:port)."""
+        with self._lock:
+            return {netloc: len(conns) for netloc, conns in self._idle.items() if conns}
+
     def close(self) -> None:
         with self._lock:
-            opened, self._opened = self._opened, []
-        for conn in opened:
+            self._closed = True
+            dropped = [conn for conns in self._idle.values() for conn in conns]
+            self._idle.clear()
+        for conn in dropped:
             conn.close()
 
 
@@ -691,6 +728,12 @@ class _Families:
 
     def collect(self) -> list[Metric]:
         return self.families
+
+
+def _number(text: str) -> int:
+    """``text`` as a slot number when it is one (ASCII digits: ``str.isdigit`` also takes "²"), else a number
+    above every slot."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 6 else _NOT_A_SLOT
 
 
 def _busy(environ: dict[str, Any], start_response: Callable[..., Any], text: str) -> list[bytes]:
