@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -31,8 +32,32 @@ DEFAULT_ROOT = Path(".qtp")
 _START_TIMEOUT_S = 60.0
 
 
+_PORTS = random.Random()  # its own generator: a test or campaign seeding `random` must not make two workers agree
+LOWEST_PORT = 10000
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the system hands to outgoing connections and to servers binding port 0 (Linux)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on at the time of the call."""
+    """A TCP port on 127.0.0.1 that nothing listens on at the time of the call, chosen at random below the
+    system's ephemeral range: a port in that range may be given to any connection or to a server binding port 0
+    (a JVM's, a driver's) between this call and the bind of whoever asked for it."""
+    low = _ephemeral_low()
+    for _ in range(100 if low - LOWEST_PORT >= 1000 else 0):
+        port = _PORTS.randrange(LOWEST_PORT, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

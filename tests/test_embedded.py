@@ -96,3 +96,13 @@ def test_qtp_db_start_right_after_a_sigkill_of_the_postmaster_starts_it_again(tm
     finally:
         conn.close()
         pg.destroy()
+
+
+def test_free_ports_are_chosen_below_the_ephemeral_range_and_differ() -> None:
+    """A port in the ephemeral range could be taken by any connection or port-0 server (a Spark JVM's took one
+    from a node under test) between free_port() and the bind."""
+    from qtp.embedded import LOWEST_PORT, _ephemeral_low, free_port
+
+    ports = [free_port() for _ in range(50)]
+    assert all(LOWEST_PORT <= port < _ephemeral_low() for port in ports)
+    assert len(set(ports)) > 40
