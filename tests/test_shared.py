@@ -445,6 +445,25 @@ def test_forwarding_sends_again_on_a_fresh_connection_when_the_kept_one_was_clos
         links.close()
 
 
+def test_a_forward_after_a_restart_of_the_other_replica_gets_through_though_every_kept_connection_is_stale() -> None:
+    import concurrent.futures as futures
+
+    from qtp.wsrm.runtime._shared import _Links
+
+    server, seen, _ = _stand_in(lambda handler: (time.sleep(0.2), _ok(handler, close=True)))
+    links = _Links(timeout=5.0, keep=3)
+    address = f"http://127.0.0.1:{server.server_address[1]}/rm"
+    try:
+        with futures.ThreadPoolExecutor(3) as pool:  # three kept connections, each closed by the other side
+            assert [r[0] for r in pool.map(lambda n: links.post(address, b"x", {}), range(3))] == [200] * 3
+        time.sleep(0.1)
+        assert links.post(address, b"after", {})[0] == 200 and seen[-1][1] == b"after"
+    finally:
+        links.close()
+        server.shutdown()
+        server.server_close()
+
+
 def test_kept_connections_are_bounded_and_closed_when_their_replica_is_gone() -> None:
     """Outside finding: connections were kept per thread and address and never closed, so a replica that
     came back at new addresses left up to http_threads sockets in CLOSE-WAIT each time."""

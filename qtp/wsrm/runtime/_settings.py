@@ -26,6 +26,7 @@ def channel_name(route: str) -> str:
     """The channel a route belongs to (a lane's route carries ``#i``; ``offer:...`` routes are their own)."""
     return route if route.startswith("offer:") else route.split(LANE_MARK, 1)[0]
 
+
 PAYLOAD_ROOM = 4096  # bytes of a request left to the envelope around payloads: tx.send's payloads are smaller by it
 
 

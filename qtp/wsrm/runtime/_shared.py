@@ -665,7 +665,7 @@ class _Links:
         for again in (False, True):
             with self._lock:
                 idle = self._idle.get(parts.netloc)
-                conn = idle.pop() if idle else None
+                conn = idle.pop() if idle and not again else None
             reused = conn is not None
             if conn is None:
                 conn = http.client.HTTPConnection(parts.hostname or "localhost", parts.port or 80,
@@ -676,7 +676,8 @@ class _Links:
                 content = answer.read()
             except _STALE:
                 conn.close()
-                if reused and not again:
+                if reused and not again:  # the others kept to that replica are most likely closed as well
+                    self._drop(parts.netloc)
                     continue
                 raise
             except BaseException:
@@ -702,7 +703,12 @@ class _Links:
         live = {urlsplit(a).netloc for a in addresses}
         with self._lock:
             gone = [netloc for netloc in self._idle if netloc not in live]
-            dropped = [conn for netloc in gone for conn in self._idle.pop(netloc)]
+        for netloc in gone:
+            self._drop(netloc)
+
+    def _drop(self, netloc: str) -> None:
+        with self._lock:
+            dropped = self._idle.pop(netloc, [])
         for conn in dropped:
             conn.close()
 
