@@ -531,3 +531,56 @@ def test_a_forward_relays_retry_after_and_refuses_header_values_it_cannot_pass_o
         replica._links.close()
         server.shutdown()
         server.server_close()
+
+
+def test_large_bodies_forwarded_both_ways_do_not_wait_on_each_others_room(pg_db, tmp_path: Path) -> None:
+    """Outside finding: each replica held its own large bodies' room in max_body_memory while forwarding them,
+    so neither could read the other's forwarded bodies: forwards timed out (503) and 3 MB orders stalled."""
+    server_app = pg_db("server")
+    server_schema(server_app)
+    pair = Pair(pg_db("client"), server_app, proxy_port=free_port(),
+                limits="max_request_bytes = 1500000\nmax_body_memory = 2500000")
+    replicas = Replicas(pair, servers=2, clients=1, ttl=2, slots=2)
+    configs = replicas.write(tmp_path)
+    a, b = (NodeProcess(configs[name], tmp_path / f"{name}.log") for name in ("server-a", "server-b"))
+    node_id = load_config(configs["server-a"]).node_id
+    try:
+        _serving(a)
+        wait_until(lambda: len(_slots_of(a)) == 2, 30, "server-a holding both slots")
+        _serving(b)
+        wait_until(lambda: len(_slots_of(b)) == 1, 30, "server-b taking a slot")
+        slot_b = _slots_of(b)[0]
+        # three bodies of 1.1 MB into each replica at once (room for two each), every one for the other's slot
+        posts = [(name, f"urn:qtp:{node_id}:s{slot}:x".encode()) for name, slot in
+                 [("server-a", slot_b)] * 3 + [("server-b", 1 - slot_b)] * 3]
+
+        import socket
+
+        socks = []
+        for name, tag in posts:  # every head first: each replica gives its room to its first two bodies
+            body = b"<x>" + tag + b" " * 1_100_000 + b"</x>"
+            sock = socket.create_connection(("127.0.0.1", replicas.ports[name]), timeout=30)
+            sock.sendall(b"POST /rm HTTP/1.1\r\nHost: x\r\nContent-Type: application/soap+xml\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body))
+            socks.append((sock, body))
+        time.sleep(0.5)
+        began = time.monotonic()
+
+        def send(item: tuple[Any, bytes]) -> tuple[int, float]:
+            sock, body = item
+            with sock:
+                try:
+                    sock.sendall(body)
+                except OSError:  # the third of each waits unread: its bytes stay in the buffers
+                    pass
+                line = sock.makefile("rb").readline()
+            return int(line.split()[1]), time.monotonic() - began
+
+        with concurrent.futures.ThreadPoolExecutor(len(socks)) as pool:
+            answers = list(pool.map(send, socks))
+        # each refused by the slot's replica (not a SOAP envelope), none a 503 after a forward timed out (5 s)
+        assert all(status == 400 for status, _ in answers), answers
+        assert max(took for _, took in answers) < 4.0, answers
+    finally:
+        for node in (a, b):
+            node.kill()

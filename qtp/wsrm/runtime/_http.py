@@ -59,6 +59,7 @@ TRIM_EVERY = 5.0             # seconds at most between trims while connections k
 TRIM_CONNECTIONS = 100       # connections closed that make a burst worth a trim
 TLS_READ = 16 * 1024         # bytes a TLS connection reads at once (a TLS record's plaintext at most)
 BODY_READ = 256 * 1024       # bytes per read of a body (the reader's buffer never holds a whole one)
+RELEASE_BODY = "qtp.release_body"  # environ: a large body's room handed back before the answer (call once, any thread)
 CLOSE_GRACE = 5.0            # seconds a closing connection may take to deliver its last answer
 
 Answer = tuple[str, list[tuple[str, str]], list[bytes]]  # status line, headers, body chunks
@@ -399,6 +400,16 @@ class HttpServer:
             status, headers, chunks = _plain(200 if started else 503, "ok" if started else "starting")
             return await self._write(writer, status, headers + self.health_headers, chunks, keep, deadline)
         large = length > LARGE
+        given = False
+
+        def give() -> None:  # on the loop: the body's room back in the budget, once
+            nonlocal given
+            if not given:
+                given = True
+                self._budget.give(length)
+                if self._budget.idle:
+                    self._trim_soon()
+
         if large:
             waited = self._loop.time()
             try:
@@ -414,6 +425,8 @@ class HttpServer:
             async with asyncio.timeout_at(deadline):
                 body = await _read_body(reader, length)
             environ["wsgi.input"] = io.BytesIO(body)
+            if large:  # the application may hand the body's room back early (a replica forwarding it)
+                environ[RELEASE_BODY] = lambda: self._loop.call_soon_threadsafe(give)
             head_only = environ["REQUEST_METHOD"] == "HEAD"
             del body
             status, headers, chunks = await self._loop.run_in_executor(self._pool, _call, self.app, environ)
@@ -424,9 +437,7 @@ class HttpServer:
             return await self._write(writer, status, headers, chunks, keep, deadline)
         finally:
             if large:
-                self._budget.give(length)
-                if self._budget.idle:
-                    self._trim_soon()
+                give()
 
     def _trim_soon(self) -> None:
         """``malloc_trim`` (in a thread) once large bodies and closing connections have stopped coming for

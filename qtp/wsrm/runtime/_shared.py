@@ -65,7 +65,7 @@ from qtp.coordinator._lease import DDL as LEASE_DDL
 from qtp.coordinator._lease import _first_line
 from qtp.errors import ConfigurationError, QtpError
 from qtp.wsrm.runtime._endpoint import Endpoint, _bare_fault, _plain
-from qtp.wsrm.runtime._http import HttpServer
+from qtp.wsrm.runtime._http import RELEASE_BODY, HttpServer
 from qtp.wsrm.runtime._ids import SLOT_QUERY
 from qtp.wsrm.runtime._node import Node, _listen_address
 from qtp.wsrm.runtime._security import BOOT_HEADER, HEADER, WSGI_HEADER, SeenSignatures
@@ -596,6 +596,12 @@ class SharedNode:
         if not self._forwarding.acquire(blocking=False):
             return _busy(environ, start_response, "this replica is forwarding as much as it may now; retry")
         try:
+            # the body is not read any more here: its room in max_body_memory goes to bodies being read, so two
+            # replicas forwarding large bodies to each other do not wait on each other's room (the bodies waiting
+            # on forwards are bounded apart: http_threads / 2 of them)
+            release = environ.get(RELEASE_BODY)
+            if release is not None:
+                release()
             headers = {name: environ[key] for name, key in _PASSED if environ.get(key)}
             headers[FORWARDED] = self.member
             headers[SLOT_HEADER] = str(slot)
