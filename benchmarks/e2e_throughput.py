@@ -114,8 +114,8 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
     enqueue-to-apply time."""
     stages = {"sent": lambda: rows(client_url, "SELECT COUNT(*) FROM orders")[0][0],
               "applied": lambda: rows(server_url, "SELECT COUNT(*) FROM applied")[0][0]}
-    if metrics:  # scraped every METRICS_EVERY polls: as often as the databases, /metrics would load the
-        # servers more than any monitoring does (twice as much with two processes, as in (S2))
+    if metrics:  # scraped every METRICS_EVERY_S seconds: as often as the databases (every poll), /metrics would
+        # load the servers more than any monitoring does (twice as much with two processes, as in (S2))
         scraped = {"at": -METRICS_EVERY_S, "n": 0.0}
 
         def stored() -> float:
