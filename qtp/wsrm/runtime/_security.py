@@ -252,11 +252,16 @@ class SeenSignatures:
             return True
 
 
-def verify_request(security: Security, header: str, method: str, path: str, body: bytes, receiver: str,
-                   seen: SeenSignatures, now: float | None = None) -> Peer:
-    """The peer that signed this request for node ``receiver``; AuthenticationError when the signature does
-    not hold, is for another node, is outside the clock-skew window, or was taken before; StaleBoot when it
-    names another start of this node."""
+def signed_by(security: Security, header: str, method: str, path: str, body: bytes, receiver: str,
+              window: float) -> Peer:
+    """The peer whose signature this request carries, for node ``receiver``, within the clock skew ``window``
+    (AuthenticationError otherwise), without the boot and once-only checks of ``verify_request``: what a
+    replica checks before it passes a request on to the replica that takes it (and checks it all)."""
+    return _signed_by(security, header, method, path, body, receiver, window, time.time())[0]
+
+
+def _signed_by(security: Security, header: str, method: str, path: str, body: bytes, receiver: str,
+               window: float, now: float) -> tuple[Peer, dict[str, str]]:
     fields = parse(header, ("id", "to", "boot", "ts", "nonce", "sig"))
     sender = fields["id"]
     peer = security.peers.get(sender)
@@ -264,11 +269,21 @@ def verify_request(security: Security, header: str, method: str, path: str, body
         raise AuthenticationError(f"unknown peer {sender!r}")
     if fields["to"] != receiver:
         raise AuthenticationError(f"peer {sender}: the request is signed for node {fields['to']!r}, not this one")
-    now, ts = time.time() if now is None else now, int(fields["ts"])
-    if abs(now - ts / 1000) > seen.window:
-        raise AuthenticationError(f"peer {sender}: timestamp outside the allowed clock skew ({seen.window:g} s)")
+    if abs(now - int(fields["ts"]) / 1000) > window:
+        raise AuthenticationError(f"peer {sender}: timestamp outside the allowed clock skew ({window:g} s)")
     if not hmac.compare_digest(_request_mac(peer.secret, fields, method, path, body), fields["sig"]):
         raise AuthenticationError(f"peer {sender}: signature does not match")
+    return peer, fields
+
+
+def verify_request(security: Security, header: str, method: str, path: str, body: bytes, receiver: str,
+                   seen: SeenSignatures, now: float | None = None) -> Peer:
+    """The peer that signed this request for node ``receiver``; AuthenticationError when the signature does
+    not hold, is for another node, is outside the clock-skew window, or was taken before; StaleBoot when it
+    names another start of this node."""
+    now = time.time() if now is None else now
+    peer, fields = _signed_by(security, header, method, path, body, receiver, seen.window, now)
+    sender, ts = peer.name, int(fields["ts"])
     if fields["boot"] != seen.boot and fields["boot"] not in seen.others:
         raise StaleBoot(f"peer {sender}: the request names another start of this node (boot "
                         f"{fields['boot'] or 'none'!r}; now {seen.boot!r}): signed before it knew this one, "

@@ -63,12 +63,13 @@ from qtp.coordinator._lease import (_NOW, FORGET_MEMBERS_S, LEASE_TABLE, MEMBER_
                                    process_member)
 from qtp.coordinator._lease import DDL as LEASE_DDL
 from qtp.coordinator._lease import _first_line
-from qtp.errors import ConfigurationError, QtpError
+from qtp.errors import AuthenticationError, ConfigurationError, QtpError
 from qtp.wsrm.runtime._endpoint import Endpoint, _bare_fault, _plain
 from qtp.wsrm.runtime._http import RELEASE_BODY, HttpServer
 from qtp.wsrm.runtime._ids import SLOT_QUERY
 from qtp.wsrm.runtime._node import Node, _listen_address
-from qtp.wsrm.runtime._security import BOOT_HEADER, HEADER, WSGI_HEADER, SeenSignatures
+from qtp.wsrm.runtime._refusals import refusals
+from qtp.wsrm.runtime._security import BOOT_HEADER, HEADER, WSGI_HEADER, SeenSignatures, signed_by
 from qtp.wsrm.runtime._settings import node_settings
 from qtp.wsrm.runtime._transport import soap_version_of
 from qtp.xa import normalize_url
@@ -225,6 +226,7 @@ class SharedNode:
         # one boot and one memory of signatures for all this replica's slots; the other live replicas' boots are
         # taken too (docs/operations.md, "Replicas that share the work", on signatures)
         self.seen = SeenSignatures(self.limits.max_clock_skew)
+        self._anonymous = self.settings.security.anonymous_allowed(self.settings.listen_host())
         self.manager = Managers(self)
         self.poll_s = max(0.05, min(1.0, lease.ttl / 10))
 
@@ -528,7 +530,33 @@ class SharedNode:
         address = self._holders.get(slot)
         if address is None or address == self.address:
             return _busy(environ, start_response, f"slot {slot} of node {self.node_id} is being taken over; retry")
+        refused = self._unsigned(environ, body)
+        if refused is not None:
+            return _plain(start_response, 401, f"not authenticated ({refused}): sign requests as [peers] says",
+                          [("WWW-Authenticate", 'QtpHmac realm="qtp"')])
         return self._forward(address, slot, environ, body, start_response)
+
+    def _unsigned(self, environ: dict[str, Any], body: bytes) -> str | None:
+        """Why a request this replica would pass on is refused here already (None: it is not), so that requests
+        the slot's replica would refuse (unsigned, signed by no peer, for another node, with a wrong or stale
+        signature) take no forward, nor the room of a large body in both replicas. The slot's replica checks
+        everything again, the boot and that each signature is taken once included."""
+        header = environ.get(WSGI_HEADER)
+        try:
+            if not header:
+                if self._anonymous:
+                    return None
+                raise AuthenticationError("the request is not signed and this node takes no anonymous requests")
+            signed_by(self.settings.security, header, "POST", environ.get("PATH_INFO", "") or "/", body,
+                      self.node_id, self.limits.max_clock_skew)
+        except AuthenticationError as exc:
+            refusals.warn(log, "unauthenticated", "refused a request from %s before passing it on: %s",
+                          environ.get("REMOTE_ADDR", "?"), exc)
+            node = self.first_slot()
+            if node is not None:  # counted where it was refused: at one of this replica's slots
+                node.metrics.refused.labels(reason="unauthenticated").inc()
+            return str(exc)
+        return None
 
     def _route(self, environ: dict[str, Any], body: bytes) -> int:
         """The slot a request belongs to. A sender can steer only its own requests by what it writes: a slot
