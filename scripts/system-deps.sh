@@ -12,6 +12,8 @@ command -v soapcpp2 >/dev/null 2>&1 || need+=(gsoap)
 [ -f /usr/share/gsoap/plugin/wsrmapi.c ] && [ -f /usr/include/stdsoap2.h ] || need+=(libgsoap-dev)
 command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)
 command -v make >/dev/null 2>&1 || need+=(make)
+# HAProxy: the load balancer in front of a node's replicas in tests/test_shared.py and benchmarks/e2e_throughput.py
+command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || need+=(haproxy)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "qtp needs these Debian packages: ${need[*]}; run: sudo apt-get install ${need[*]}" >&2

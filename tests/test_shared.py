@@ -16,8 +16,8 @@ from qtp.config import load_config
 from qtp.embedded import free_port
 from qtp.errors import ConfigurationError
 from qtp.testing.lossy_proxy import LossyProxy
-from qtp.testing.nodes import (NodeProcess, Pair, Replicas, applied_id_mark, check_exactly_once, client_schema, create,
-                               rows, server_schema, wait_until)
+from qtp.testing.nodes import (NodeProcess, Pair, Replicas, applied_id_mark, check_exactly_once, client_schema, counter,
+                               create, rows, server_schema, wait_until)
 
 TOOK_SLOT = re.compile(rb"took slot (\d+) of node")
 
@@ -72,18 +72,35 @@ def test_slots_are_refused_with_tls_without_an_endpoint_outside_xa_and_beyond_th
         TransactionManager.from_config(ok)
 
 
-def test_two_replicas_share_a_channels_lanes_and_one_takes_the_others_slot_when_it_dies(pg_db, maria_db,
-                                                                                      tmp_path: Path) -> None:
+def _one_slot_each(a: NodeProcess, b: NodeProcess) -> None:
+    """Start replica ``a`` (it takes both slots), then ``b`` (it gets one of them)."""
+    _serving(a)
+    wait_until(lambda: len(_slots_of(a)) == 2, 30, "server-a holding both slots")
+    _serving(b)
+    wait_until(lambda: len(_slots_of(b)) == 1, 30, "server-b taking a slot")
+
+
+def _replying_pair(pg_db: Any, maria_db: Any, tmp_path: Path) -> tuple[str, str, Pair, Replicas, NodeProcess,
+                                                                     NodeProcess, NodeProcess]:
+    """A request-reply pair whose server runs as two replicas sharing 2 slots, and a client sending 600
+    orders at 40/s from 4 threads over 4 lanes: (client_app, server_app, pair, replicas, a, b, client)."""
     client_app, server_app = pg_db("client"), maria_db("server")
     client_schema(client_app)
     server_schema(server_app)
     pair = Pair(client_app, server_app, proxy_port=free_port(), reply=True, client_extra="lanes = 4\n")
     replicas = Replicas(pair, servers=2, clients=1, ttl=2, slots=2)
     configs = replicas.write(tmp_path)
-    a, b = (NodeProcess(configs[name], tmp_path / f"{name}.log", {"QTP_TEST_LOG": "INFO"}) for name in ("server-a", "server-b"))
+    a, b = (NodeProcess(configs[name], tmp_path / f"{name}.log", {"QTP_TEST_LOG": "INFO"})
+            for name in ("server-a", "server-b"))
     client = NodeProcess(configs["client"], tmp_path / "client.log",
                          {"QTP_TEST_SEND": "600", "QTP_TEST_RATE": "40", "QTP_TEST_ABORT_EVERY": "0",
                           "QTP_TEST_THREADS": "4", "QTP_TEST_KEYS": "1"})
+    return client_app, server_app, pair, replicas, a, b, client
+
+
+def test_two_replicas_share_a_channels_lanes_and_one_takes_the_others_slot_when_it_dies(pg_db, maria_db,
+                                                                                      tmp_path: Path) -> None:
+    client_app, server_app, pair, replicas, a, b, client = _replying_pair(pg_db, maria_db, tmp_path)
     written_by = lambda node: rows(server_app, f"SELECT COUNT(*) FROM applied WHERE pid = {node.proc.pid}")[0][0]  # noqa: E731
     applied = lambda: rows(server_app, "SELECT COUNT(*) FROM applied")[0][0]  # noqa: E731
     # the proxy sends everything to server-a while it lives: server-b's slot is reached by forwarding
@@ -170,10 +187,7 @@ def test_a_paused_replica_loses_its_slot_writes_nothing_after_and_gets_a_slot_ba
         server_app, f"SELECT COUNT(*) FROM applied WHERE pid = {node.proc.pid} AND id > {after}")[0][0]
     with LossyProxy(replicas.urls("server"), port=pair.proxy_port, failover_s=1):
         try:
-            _serving(a)
-            wait_until(lambda: len(_slots_of(a)) == 2, 30, "server-a holding both slots")
-            _serving(b)
-            wait_until(lambda: len(_slots_of(b)) == 1, 30, "server-b taking a slot")
+            _one_slot_each(a, b)
             client.start()
             wait_until(lambda: written_by(b) >= 10, 90, "server-b applying orders")
             lost = _slots_of(b)[0]
@@ -209,10 +223,7 @@ def test_signed_requests_are_checked_by_the_slot_whichever_replica_they_reach(pg
     written_by = lambda node: rows(server_app, f"SELECT COUNT(*) FROM applied WHERE pid = {node.proc.pid}")[0][0]  # noqa: E731
     with LossyProxy(replicas.urls("server"), port=pair.proxy_port, failover_s=1):
         try:
-            _serving(a)
-            wait_until(lambda: len(_slots_of(a)) == 2, 30, "server-a holding both slots")
-            _serving(b)
-            wait_until(lambda: len(_slots_of(b)) == 1, 30, "server-b taking a slot")
+            _one_slot_each(a, b)
             client.start()
             wait_until(lambda: rows(client_app, "SELECT COUNT(*) FROM replies")[0][0] >= 400, 180, "every reply")
             assert written_by(a) > 0 and written_by(b) > 0
@@ -224,6 +235,23 @@ def test_signed_requests_are_checked_by_the_slot_whichever_replica_they_reach(pg
                 answer = requests.post(f"http://127.0.0.1:{port}/rm", data=b"<x/>", timeout=10,
                                        headers={"Content-Type": "application/soap+xml", "X-Qtp-Slot": "1"})
                 assert answer.status_code == 401
+            # outside finding F4: requests for the other replica's slot that it would refuse (unsigned, a forged
+            # signature), large ones included, were passed on first: refused where they arrive, not forwarded
+            node_id = load_config(configs["server-a"]).node_id
+            refused = lambda node: counter(  # noqa: E731
+                f"http://127.0.0.1:{replicas.ports[node]}/metrics", "qtp_requests_refused_total") or 0.0
+            for here, there in (("server-a", b), ("server-b", a)):
+                before = {name: refused(name) for name in ("server-a", "server-b")}
+                body = b"<x>urn:qtp:%s:s%d:q" % (node_id.encode(), _slots_of(there)[0]) + b" " * 300_000 + b"</x>"
+                forged = 'id="%s", to="%s", boot="x", ts="%d", nonce="%s", sig="%s"' % (  # a peer's name, no MAC
+                    load_config(configs["client"]).node_id, node_id, int(time.time() * 1000), "n" * 16, "A" * 43 + "=")
+                for headers in ({}, {"X-Qtp-Signature": forged}):
+                    answer = requests.post(f"http://127.0.0.1:{replicas.ports[here]}/rm", data=body, timeout=10,
+                                           headers={"Content-Type": "application/soap+xml", **headers})
+                    assert answer.status_code == 401, answer.text
+                after = {name: refused(name) for name in ("server-a", "server-b")}
+                other = "server-b" if here == "server-a" else "server-a"
+                assert after[here] - before[here] == 2 and after[other] == before[other], (here, before, after)
         finally:
             for node in (client, a, b):
                 node.kill()
@@ -545,10 +573,7 @@ def test_large_bodies_forwarded_both_ways_do_not_wait_on_each_others_room(pg_db,
     a, b = (NodeProcess(configs[name], tmp_path / f"{name}.log") for name in ("server-a", "server-b"))
     node_id = load_config(configs["server-a"]).node_id
     try:
-        _serving(a)
-        wait_until(lambda: len(_slots_of(a)) == 2, 30, "server-a holding both slots")
-        _serving(b)
-        wait_until(lambda: len(_slots_of(b)) == 1, 30, "server-b taking a slot")
+        _one_slot_each(a, b)
         slot_b = _slots_of(b)[0]
         # three bodies of 1.1 MB into each replica at once (room for two each), every one for the other's slot
         posts = [(name, f"urn:qtp:{node_id}:s{slot}:x".encode()) for name, slot in
@@ -584,3 +609,35 @@ def test_large_bodies_forwarded_both_ways_do_not_wait_on_each_others_room(pg_db,
     finally:
         for node in (a, b):
             node.kill()
+
+
+def test_replicas_behind_haproxy_keep_exactly_once_when_each_is_killed_in_turn(pg_db, maria_db, tmp_path: Path) -> None:
+    """The production shape (docs/operations.md): the node's replicas behind a real load balancer, HAProxy
+    spreading requests round-robin over kept connections, with health checks; each replica killed (-9) and
+    started again in turn while the client sends; every order and every reply exactly once."""
+    from qtp.testing.balancer import Haproxy
+
+    client_app, server_app, pair, replicas, a, b, client = _replying_pair(pg_db, maria_db, tmp_path)
+    applied = lambda: rows(server_app, "SELECT COUNT(*) FROM applied")[0][0]  # noqa: E731
+    balancer = Haproxy(replicas.urls("server"), pair.proxy_port, tmp_path / "haproxy").start()
+    try:
+        _one_slot_each(a, b)
+        client.start()
+        for victim, other in ((b, a), (a, b)):
+            mark = applied()
+            wait_until(lambda: applied() >= mark + 100, 90, "orders applied before the kill")
+            victim.kill()
+            wait_until(lambda: len(_slots_of(other)) == 2, 30, "the other replica taking the killed one's slot")
+            mark = applied()
+            wait_until(lambda: applied() >= mark + 40, 60, "orders applied by the survivor alone")
+            _serving(victim)
+            wait_until(lambda: len(_slots_of(victim)) == 1, 60, "the restarted replica taking a slot back")
+        wait_until(lambda: applied() >= 600, 180, "every order applied")
+        wait_until(lambda: rows(client_app, "SELECT COUNT(*) FROM replies")[0][0] >= 600, 120, "every reply")
+        answered = balancer.per_target()
+        assert all(n > 0 for n in answered.values()) and len(answered) == 2, answered
+    finally:
+        for node in (client, a, b):
+            node.kill()
+        balancer.stop()
+    check_exactly_once(client_app, server_app, reply=True)
