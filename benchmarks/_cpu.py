@@ -1,8 +1,10 @@
 """CPU seconds of process trees, read from /proc (user + system, the process and its live descendants).
 
 ``CpuMeter({"client": pid, ...})`` snapshots at construction; ``per_message(n)`` gives each tree's CPU
-milliseconds per message since then. Children that exited meanwhile are not counted (PostgreSQL backends of
-pooled connections live through a run; the error is the CPU of connections opened and closed in it).
+milliseconds per message since then. A tree stops at the other roots: the benchmark's own process, whose
+children are the nodes it measures on their own, counts without them. Children that exited meanwhile are not
+counted (PostgreSQL backends of pooled connections live through a run; the error is the CPU of connections
+opened and closed in it).
 """
 
 from __future__ import annotations
@@ -22,15 +24,15 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def _tree(root: int) -> dict[int, float]:
-    """CPU seconds of ``root`` and every live descendant, by pid."""
+def _tree(root: int, others: frozenset[int] = frozenset()) -> dict[int, float]:
+    """CPU seconds of ``root`` and every live descendant, by pid; the trees of ``others`` left out."""
     stats = {pid: s for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if (s := _stat(pid))}
     wanted, found = {root}, {}
     changed = True
     while changed:
         changed = False
         for pid, (parent, _) in stats.items():
-            if parent in wanted and pid not in wanted:
+            if parent in wanted and pid not in wanted and pid not in others:
                 wanted.add(pid)
                 changed = True
     for pid in wanted:
@@ -42,13 +44,16 @@ def _tree(root: int) -> dict[int, float]:
 class CpuMeter:
     def __init__(self, roots: dict[str, int | None]):
         self.roots = {name: pid for name, pid in roots.items() if pid}
-        self.start = {name: _tree(pid) for name, pid in self.roots.items()}
+        self.start = {name: _tree(pid, self._others(pid)) for name, pid in self.roots.items()}
+
+    def _others(self, pid: int) -> frozenset[int]:
+        return frozenset(self.roots.values()) - {pid}
 
     def per_message(self, messages: int) -> dict[str, float]:
         """CPU milliseconds per message of each tree since the meter was made."""
         out = {}
         for name, pid in self.roots.items():
-            now, before = _tree(pid), self.start[name]
+            now, before = _tree(pid, self._others(pid)), self.start[name]
             used = sum(cpu - before.get(p, 0.0) for p, cpu in now.items())
             out[name] = round(1000 * used / max(messages, 1), 3)
         return out

@@ -24,12 +24,14 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
 - (R) as (L), each node with a second replica waiting as its standby (its own log folder and port, as on
   another host): what a standby costs the owner (their CPU is reported as ``server_standby``, ``client_standby``);
 - (S1) as (L), the server's ``[lease]`` with ``slots = 2`` and the server one process (it holds both slots),
-  behind the same round-robin ``LossyProxy`` as (S2) (one target): what splitting the work into slots costs;
+  behind the same balancer as (S2) (one target): what splitting the work into slots costs;
 - (S2) as (S1), the server as two processes sharing the work (``slots = 2``, each its own log folder and port,
-  as on hosts of their own) behind a round-robin ``LossyProxy`` without faults, this process (its CPU, with
-  the measurement's polls, reported as ``proxy``; the second server process's as ``server_b``), the client
-  started once each server process holds a slot (``balanced_s`` after the first took both): what replicas
-  that share the work give;
+  as on hosts of their own) behind a round-robin balancer, the client started once each server process holds
+  a slot (``balanced_s`` after the first took both): what replicas that share the work give. The balancer
+  (``--balancer``) is HAProxy (one thread, connections to the replicas kept: ``qtp.testing.balancer``; its
+  CPU reported as ``balancer``, this process's polls as ``measure``), or the test harness's ``LossyProxy``
+  without faults (in this process, a connection per request; its CPU and the polls reported as ``proxy``);
+  the second server process's CPU as ``server_b``;
 - (s) **the strong baseline**, what a user would hand-write: an ``outbox`` row written in the client's
   local transaction; one relay thread takes up to 500 rows (``FOR UPDATE SKIP LOCKED``, in id order),
   sends them in one POST (JSON), and deletes them on a 200 in the same transaction; the server inserts the
@@ -46,9 +48,10 @@ the steady part of each run (from 10 % to 90 % of the messages applied). ``--rat
 R messages/s in all (the latency at a given load); ``--batch-handler`` makes the qtp server apply with a
 batch handler (one ``executemany`` per transaction, as the strong baseline does); ``--lanes N`` gives the
 qtp client's channel N lanes (N sequences; a server with slots works each sequence in one slot, so (S1) and
-(S2) spread over their slots only with lanes). The measurement reads the databases every 50 ms and the
-servers' ``/metrics`` every ``METRICS_EVERY_S`` (the stored stage, so its rate is the coarsest). The client CPU of (s) and (c) is this process's (its app and
-relay threads, plus the polling of the measurement). Results: a table on stdout and ``--json``.
+(S2) spread over their slots only with lanes). The measurement reads the databases every 50 ms (on one kept
+connection each) and the servers' ``/metrics`` every ``METRICS_EVERY_S`` (the stored stage, so its rate is
+the coarsest). The client CPU of (s) and (c) is this process's (its app and relay threads, plus the polling of
+the measurement; the outbox server, its child, counted apart). Results: a table on stdout and ``--json``.
 
     python benchmarks/e2e_throughput.py [--messages 2000] [--rounds 2] [--threads 1,16] [--variants a,b,r,s,c]
     python benchmarks/e2e_throughput.py --rounds 1 --variants L,S1,S2
@@ -76,6 +79,7 @@ from sqlalchemy import text
 from _cpu import CpuMeter
 
 from qtp.embedded import DEFAULT_ROOT, EmbeddedMariaDB, EmbeddedPostgres, free_port
+from qtp.testing.balancer import Haproxy
 from qtp.testing.lossy_proxy import LossyProxy
 from qtp.testing.nodes import (NodeProcess, Pair, Replicas, balanced, client_schema, counter, create, rows,
                                server_schema)
@@ -112,8 +116,23 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
     server (qtp: its received counter, summed over the server's processes at ``metrics``), messages applied.
     Each stage's rate is taken between 10 % and 90 % of the messages; latency is every message's
     enqueue-to-apply time."""
-    stages = {"sent": lambda: rows(client_url, "SELECT COUNT(*) FROM orders")[0][0],
-              "applied": lambda: rows(server_url, "SELECT COUNT(*) FROM applied")[0][0]}
+    # one kept connection per database for the polls (a new one per poll made the databases start 40
+    # sessions a second, PostgreSQL a backend process each: load on the machine measured)
+    engines = {url: sa.create_engine(url, pool_size=1, max_overflow=0) for url in (client_url, server_url)}
+    try:
+        return _poll(engines, server_url, client_url, total, began, timeout, metrics, cpu, replies)
+    finally:
+        for engine in engines.values():
+            engine.dispose()
+
+
+def _poll(engines: dict, server_url: str, client_url: str, total: int, began: float, timeout: float,
+          metrics: list[str] | None, cpu: CpuMeter | None, replies: bool) -> dict:
+    def count(url: str, table: str) -> int:
+        with engines[url].connect() as conn:
+            return conn.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one()
+
+    stages = {"sent": lambda: count(client_url, "orders"), "applied": lambda: count(server_url, "applied")}
     if metrics:  # scraped every METRICS_EVERY_S seconds: as often as the databases (every poll), /metrics would
         # load the servers more than any monitoring does (twice as much with two processes, as in (S2))
         scraped = {"at": -METRICS_EVERY_S, "n": 0.0}
@@ -124,7 +143,7 @@ def _measure(server_url: str, client_url: str, total: int, began: float, timeout
             return scraped["n"]
         stages["stored"] = stored
     if replies:
-        stages["replied"] = lambda: rows(client_url, "SELECT COUNT(*) FROM replies")[0][0]
+        stages["replied"] = lambda: count(client_url, "replies")
     marks: dict[tuple[str, float], float] = {}
     commits = _commits(client_url)
     deadline = time.monotonic() + timeout
@@ -189,7 +208,8 @@ def _databases_cpu(pg, maria) -> dict[str, int | None]:
 def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, tag: str,
             rate: float | None = None, batch_handler: bool = False, reply: bool = False,
             secret: str | None = None, profile: Path | None = None, polls: bool = False, drain: bool = False,
-            lease: bool = False, standby: bool = False, slots: int = 1, sharing: int = 1, lanes: int = 1) -> dict:
+            lease: bool = False, standby: bool = False, slots: int = 1, sharing: int = 1, lanes: int = 1,
+            balancer: str = "haproxy") -> dict:
     """One run of a qtp variant; ``slots`` > 1: the server's ``[lease] slots``, run as ``sharing`` processes
     behind a round-robin LossyProxy without faults (one process too), the client with a ``[lease]``; ``lanes``
     > 1: the client's channel has that many lanes (sequences), each order keyed by its number."""
@@ -210,8 +230,11 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
         configs = replicas.write(run)
         client_config, server_configs = configs["client"], [configs[name] for name in replicas.names("server")]
         client_config.write_text(client_config.read_text() + "\n[lease]\nttl = 10\n")
-        # (S1) too reaches its one process through the proxy: the two variants differ in the processes only
-        proxy = LossyProxy(replicas.urls("server"), port=pair.proxy_port, balance="round-robin").start()
+        # (S1) too reaches its one process through the balancer: the two variants differ in the processes only
+        if balancer == "haproxy":
+            proxy = Haproxy(replicas.urls("server"), pair.proxy_port, run / "haproxy").start()
+        else:
+            proxy = LossyProxy(replicas.urls("server"), port=pair.proxy_port, balance="round-robin").start()
     else:
         client_config, server_config = pair.write(run)
         server_configs = [server_config]
@@ -242,7 +265,8 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
     cpu = CpuMeter({"client": client.proc.pid, "server": server.proc.pid, **_databases_cpu(pg, maria),
                     **{f"{role}_standby": node.proc.pid for role, node in zip(("server", "client"), standbys)},
                     **{f"server_{chr(ord('a') + i)}": node.proc.pid for i, node in enumerate(servers) if i},
-                    **({"proxy": os.getpid()} if proxy else {})})
+                    **({"proxy": os.getpid()} if isinstance(proxy, LossyProxy) else {}),
+                    **({"balancer": proxy.pid, "measure": os.getpid()} if isinstance(proxy, Haproxy) else {})})
     spies = [_spy(profile / f"{tag}-{node.config.stem}.txt", node.proc.pid) for node in (client, *servers)
              ] if profile else []
     try:
@@ -251,8 +275,11 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
                           metrics=metrics, cpu=cpu, replies=reply)
         if proxy is not None:
             result["balanced_s"] = balanced_s
-            stats = proxy.stats()  # requests each server process answered (per_target: with several)
-            answered = stats.get("per_target") or {replicas.urls("server")[0]: stats.get("forwarded", 0)}
+            if isinstance(proxy, Haproxy):
+                answered = proxy.per_target()
+            else:
+                stats = proxy.stats()  # requests each server process answered (per_target: with several)
+                answered = stats.get("per_target") or {replicas.urls("server")[0]: stats.get("forwarded", 0)}
             result["per_server"] = {name: answered.get(url, 0) for name, url in zip(replicas.names("server"),
                                                                                      replicas.urls("server"))}
         return result
@@ -277,10 +304,11 @@ def _standby(config: Path, role: str, env: dict[str, str] | None = None) -> Node
 
 
 def _spy(out: Path, pid: int) -> subprocess.Popen:
-    """py-spy sampling ``pid``'s running threads (idle ones left out) as collapsed stacks in ``out`` until SIGINT."""
+    """py-spy sampling ``pid``'s threads while they hold the interpreter lock (``--gil``: the Python work, not
+    the waits for the lock) as collapsed stacks in ``out`` until SIGINT."""
     out.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--rate", "200",
-                             "--format", "raw", "--output", str(out), "--nonblocking"],
+                             "--format", "raw", "--output", str(out), "--nonblocking", "--gil"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -396,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lanes", type=int, default=1,
                         help="lanes of the qtp client's channel (orders keyed by number): with one, all the orders "
                              "travel in one sequence, which one slot of (S1)/(S2) works")
+    parser.add_argument("--balancer", choices=("haproxy", "lossy"), default="haproxy",
+                        help="what (S1) and (S2) reach the server through: HAProxy (round-robin, connections to "
+                             "the replicas reused; Debian's package haproxy), or the test harness's LossyProxy "
+                             "without faults (in this process, a connection per request)")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", type=Path, help="record the qtp nodes with py-spy (collapsed stacks) in this folder")
@@ -418,8 +450,8 @@ def main(argv: list[str] | None = None) -> int:
                                 secret=secrets.token_urlsafe(32) if variant == "A" else None,
                                 lease=variant in ("L", "S1", "S2"), standby=variant == "R",
                                 slots=SLOTS if variant in ("S1", "S2") else 1, sharing=2 if variant == "S2" else 1,
-                                lanes=args.lanes, profile=args.profile)
-                r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate,
+                                lanes=args.lanes, profile=args.profile, balancer=args.balancer)
+                r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate, balancer=args.balancer,
                          batch_handler=args.batch_handler, lanes=args.lanes)
                 results.append(r)
                 print(json.dumps(r), flush=True)

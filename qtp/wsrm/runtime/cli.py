@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import io
 import json
@@ -74,6 +75,11 @@ def run_serve(args: argparse.Namespace) -> int:
     node = _load_app(args.app) if args.app else Node.from_config(args.config or "qtp.toml")
     node.start()  # after the application registered its handlers
     install(node.manager)
+    # what the start made (modules, configuration, pools: ~80,000 objects) stays for the life of the process:
+    # out of the collector's sight, a full collection (the HTTP server's after bursts of closed connections,
+    # Python's own) costs ~1.5 ms of CPU instead of ~30 ms (measured in a node holding two slots)
+    gc.collect()
+    gc.freeze()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
