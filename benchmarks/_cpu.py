@@ -57,3 +57,32 @@ class CpuMeter:
             used = sum(cpu - before.get(p, 0.0) for p, cpu in now.items())
             out[name] = round(1000 * used / max(messages, 1), 3)
         return out
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of each live thread of ``pid``, by thread id."""
+    out = {}
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[tid] = (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
+def thread_names(pid: int, spy: str) -> dict[int, str]:
+    """Python's name of each thread of ``pid`` (``py-spy dump``), a pool's numbered threads grouped ("qtp-http_3"
+    -> "qtp-http pool"), with the function the thread runs where the name says nothing ("Thread-12 (_work)")."""
+    import re
+    import subprocess
+
+    dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60).stdout
+    names = {}
+    for tid, name in re.findall(r'^Thread (\d+) \([^)]*\): "([^"]*)"', dump, re.M):
+        names[int(tid)] = re.sub(r"_\d+$", " pool", re.sub(r"^Thread-\d+ ", "", name))
+    return names

@@ -76,7 +76,7 @@ import requests
 import sqlalchemy as sa
 from sqlalchemy import text
 
-from _cpu import CpuMeter
+from _cpu import CpuMeter, thread_cpu, thread_names
 
 from qtp.embedded import DEFAULT_ROOT, EmbeddedMariaDB, EmbeddedPostgres, free_port
 from qtp.testing.balancer import Haproxy
@@ -209,7 +209,7 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
             rate: float | None = None, batch_handler: bool = False, reply: bool = False,
             secret: str | None = None, profile: Path | None = None, polls: bool = False, drain: bool = False,
             lease: bool = False, standby: bool = False, slots: int = 1, sharing: int = 1, lanes: int = 1,
-            balancer: str = "haproxy") -> dict:
+            balancer: str = "haproxy", per_thread: bool = False) -> dict:
     """One run of a qtp variant; ``slots`` > 1: the server's ``[lease] slots``, run as ``sharing`` processes
     behind a round-robin LossyProxy without faults (one process too), the client with a ``[lease]``; ``lanes``
     > 1: the client's channel has that many lanes (sequences), each order keyed by its number."""
@@ -271,8 +271,13 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
              ] if profile else []
     try:
         metrics = [f"http://127.0.0.1:{node.port}/metrics" for node in servers]
+        threads_before = {node.config.stem: thread_cpu(node.proc.pid) for node in servers} if per_thread else {}
         result = _measure(server_app, client_app, messages, began, timeout=600 + (DRAIN_POLL_S if drain else 0),
                           metrics=metrics, cpu=cpu, replies=reply)
+        if per_thread:  # each server process's CPU per message by thread (pool threads summed)
+            result["thread_cpu_ms_per_msg"] = {
+                node.config.stem: _by_thread(node.proc.pid, threads_before[node.config.stem], result["applied"])
+                for node in servers}
         if proxy is not None:
             result["balanced_s"] = balanced_s
             if isinstance(proxy, Haproxy):
@@ -301,6 +306,15 @@ def _standby(config: Path, role: str, env: dict[str, str] | None = None) -> Node
     path = config.with_name(f"{role}-standby.toml")
     path.write_text(text)
     return NodeProcess(path, config.with_name(f"{role}-standby.log"), env)
+
+
+def _by_thread(pid: int, before: dict[int, float], messages: int) -> dict[str, float]:
+    names = thread_names(pid, str(Path(sys.executable).parent / "py-spy"))
+    used: dict[str, float] = {}
+    for tid, seconds in thread_cpu(pid).items():
+        name = names.get(tid, "(not Python)")
+        used[name] = used.get(name, 0.0) + seconds - before.get(tid, 0.0)
+    return {name: round(1000 * s / max(messages, 1), 3) for name, s in sorted(used.items(), key=lambda x: -x[1])}
 
 
 def _spy(out: Path, pid: int) -> subprocess.Popen:
@@ -428,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="what (S1) and (S2) reach the server through: HAProxy (round-robin, connections to "
                              "the replicas reused; Debian's package haproxy), or the test harness's LossyProxy "
                              "without faults (in this process, a connection per request)")
+    parser.add_argument("--per-thread", action="store_true",
+                        help="each qtp server process's CPU per message by thread (from /proc, names by py-spy dump)")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", type=Path, help="record the qtp nodes with py-spy (collapsed stacks) in this folder")
@@ -450,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
                                 secret=secrets.token_urlsafe(32) if variant == "A" else None,
                                 lease=variant in ("L", "S1", "S2"), standby=variant == "R",
                                 slots=SLOTS if variant in ("S1", "S2") else 1, sharing=2 if variant == "S2" else 1,
-                                lanes=args.lanes, profile=args.profile, balancer=args.balancer)
+                                lanes=args.lanes, profile=args.profile, balancer=args.balancer,
+                                per_thread=args.per_thread)
                 r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate, balancer=args.balancer,
                          batch_handler=args.batch_handler, lanes=args.lanes)
                 results.append(r)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -51,13 +52,20 @@ class Haproxy:
                 raise ConfigurationError(f"targets are http://host:port/...; got {url.geturl()!r}")
         self.folder.mkdir(parents=True, exist_ok=True)
         self.config = self.folder / "haproxy.cfg"
-        self.socket = self.folder / "haproxy.sock"
+        self._socket_dir: Path | None = None  # the statistics socket's, made by start()
         self.log = self.folder / "haproxy.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def socket(self) -> Path:
+        """HAProxy's statistics socket (while it runs)."""
+        if self._socket_dir is None:
+            raise RuntimeError("the balancer is not running")
+        return self._socket_dir / "stats.sock"
 
     @property
     def pid(self) -> int | None:
@@ -97,9 +105,13 @@ backend replicas
 """
 
     def start(self) -> "Haproxy":
+        # a Unix socket's path has at most 107 bytes: the statistics socket goes to a short folder of its own
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="qtp-haproxy-"))
         self.config.write_text(self._render())
         check = subprocess.run([self.binary, "-c", "-q", "-f", str(self.config)], capture_output=True, text=True)
         if check.returncode != 0:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
             raise ConfigurationError(f"haproxy refused its configuration: {check.stderr.strip() or check.stdout}")
         with self.log.open("ab") as out:
             self._proc = subprocess.Popen([self.binary, "-db", "-f", str(self.config)], stdout=out,
@@ -126,6 +138,9 @@ backend replicas
             self._proc.kill()
             self._proc.wait(10)
         self._proc = None
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
 
     def __enter__(self) -> "Haproxy":
         return self.start() if self._proc is None else self

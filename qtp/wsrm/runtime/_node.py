@@ -27,6 +27,7 @@ Node only assembles the parts: each worker is given, when it is built, the few c
 from __future__ import annotations
 
 import logging
+import math
 import ssl
 import threading
 from pathlib import Path
@@ -62,6 +63,8 @@ from qtp.wsrm.runtime._transport import Transport
 from qtp.wsrm.store import DestinationInfo, Outgoing, Store
 
 log = logging.getLogger("qtp.wsrm.node")
+
+MAINTENANCE_SAID_S = 60.0  # a maintenance tick that keeps failing (a database down) is logged once a minute
 
 Handler = Callable[[Any, Message], "bytes | str | None"]
 
@@ -374,6 +377,7 @@ class Node:
 
     def _maintain(self) -> None:
         polled = 0.0
+        failing, said = 0, -math.inf  # failed ticks in a row; when that was last logged
         while not self._stopping.is_set():
             self.wake.clear()
             now = SYSTEM_CLOCK.time()
@@ -383,9 +387,20 @@ class Node:
                 if now - polled > 2.0:
                     self.invoker.poll_redeliveries()
                     polled = now
-            except Exception:  # keep running: the next tick retries from the stores
-                log.exception("node maintenance failed")
-                due = now + 1.0
+            except Exception as exc:  # keep running: the next tick retries from the stores, a second later
+                failing += 1
+                if failing == 1:  # a database down says so on every tick: the first with its traceback, then
+                    log.exception("node maintenance failed")  # a line a minute while it lasts
+                    said = now
+                elif now - said >= MAINTENANCE_SAID_S:
+                    log.error("node maintenance still failing (%d ticks in a row): %s", failing,
+                              str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                    said = now
+                self.wake.wait(1.0)
+                continue
+            if failing:
+                log.warning("node maintenance works again after %d failed ticks", failing)
+                failing = 0
             wait = 0.2 if due is None else max(0.0, min(0.2, due - SYSTEM_CLOCK.time()))
             self.wake.wait(wait)
 

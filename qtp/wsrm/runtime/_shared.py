@@ -525,15 +525,17 @@ class SharedNode:
         if node is not None and node.started:
             environ["wsgi.input"] = BytesIO(body)
             return node.wsgi(environ, start_response)
+        # before any answer of its own (a forward, a 503): a request the slot would refuse is refused here, a
+        # forwarded one too (a replica passes on what the peer sent, signature and all)
+        refused = self._unsigned(environ, body)
+        if refused is not None:
+            return _plain(start_response, 401, f"not authenticated ({refused}): sign requests as [peers] says",
+                          [("WWW-Authenticate", 'QtpHmac realm="qtp"')])
         if environ.get("HTTP_X_QTP_FORWARDED"):
             return _busy(environ, start_response, f"slot {slot} is not held here (any more); retry")
         address = self._holders.get(slot)
         if address is None or address == self.address:
             return _busy(environ, start_response, f"slot {slot} of node {self.node_id} is being taken over; retry")
-        refused = self._unsigned(environ, body)
-        if refused is not None:
-            return _plain(start_response, 401, f"not authenticated ({refused}): sign requests as [peers] says",
-                          [("WWW-Authenticate", 'QtpHmac realm="qtp"')])
         return self._forward(address, slot, environ, body, start_response)
 
     def _unsigned(self, environ: dict[str, Any], body: bytes) -> str | None:

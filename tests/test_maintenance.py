@@ -1,0 +1,59 @@
+"""The node's maintenance loop (sender retransmissions, receiver timers, redeliveries) while a database is down."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from qtp.wsrm.runtime import _node
+from qtp.wsrm.runtime._node import Node
+
+
+class _Down:
+    """A sender whose store is unreachable until ``up`` is set."""
+
+    def __init__(self) -> None:
+        self.up = threading.Event()
+        self.ticks = 0
+
+    def tick(self, now: float) -> None:
+        self.ticks += 1
+        if not self.up.is_set():
+            raise ConnectionRefusedError("(2003, \"Can't connect to MySQL server on '127.0.0.1'\")\nmore detail")
+        return None
+
+
+class _Quiet:
+    def tick(self, now: float) -> None:
+        return None
+
+    def poll_redeliveries(self) -> None:
+        return None
+
+
+def test_a_database_down_is_logged_once_with_its_traceback_then_once_a_minute_and_ticks_back_off(caplog, monkeypatch):
+    """Outside finding: with the store's database down, each slot logged "node maintenance failed" with a
+    traceback five times a second (ten per replica holding two slots) for as long as the outage lasted."""
+    monkeypatch.setattr(_node, "MAINTENANCE_SAID_S", 1.5, raising=False)
+    node = Node.__new__(Node)  # only what the loop uses
+    node._stopping, node.wake = threading.Event(), threading.Event()
+    node.sender, node.receiver, node.invoker = _Down(), _Quiet(), _Quiet()
+    caplog.set_level(logging.INFO, logger="qtp.wsrm.node")
+    loop = threading.Thread(target=node._maintain, daemon=True)
+    loop.start()
+    time.sleep(3.2)
+    failed_ticks = node.sender.ticks
+    node.sender.up.set()
+    node.wake.set()
+    time.sleep(0.5)
+    node._stopping.set()
+    node.wake.set()
+    loop.join(5)
+    assert 3 <= failed_ticks <= 5, failed_ticks  # a second apart, not 0.2 s (16 in 3.2 s before)
+    records = [r for r in caplog.records if "maintenance" in r.getMessage()]
+    with_traceback = [r for r in records if r.exc_info]
+    assert len(with_traceback) == 1 and with_traceback[0].getMessage() == "node maintenance failed"
+    still = [r.getMessage() for r in records if "still failing" in r.getMessage()]
+    assert len(still) == 1 and "Can't connect" in still[0] and "more detail" not in still[0], still
+    assert records[-1].getMessage().startswith("node maintenance works again after")
