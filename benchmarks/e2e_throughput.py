@@ -245,9 +245,9 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
                            {"QTP_TEST_BATCH_HANDLER": "1"} if batch_handler else {}).start()
                for config in server_configs]
     server = servers[0]
-    # the first server process took both slots: the client starts once each has its share (the other hands
-    # one back after holding it for twice the ttl)
-    balanced_s = balanced(servers, timeout=3 * 10 + 30) if len(servers) > 1 else None
+    # the client starts once the server's processes hold every slot, each its share (with two, the first took
+    # both and hands one back after holding it for twice the ttl)
+    balanced_s = balanced(servers, timeout=3 * 10 + 30) if slots > 1 else None
     sending = {"QTP_TEST_SEND": str(messages), "QTP_TEST_THREADS": str(threads), "QTP_TEST_PAD": str(PAD)}
     if lanes > 1:
         sending["QTP_TEST_KEYS"] = "1"

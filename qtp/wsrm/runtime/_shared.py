@@ -382,17 +382,21 @@ class SharedNode:
         # a slot nobody took for a ttl (its fair holder cannot: a replica that keeps failing) is taken anyway
         orphaned = [k for k in free if now - self._free_since[k] > self.lease_settings.ttl]
         if free and (len(mine) < fair or orphaned) and now >= self._unready_until:
-            try:
-                self._take(free[0] if len(mine) < fair else orphaned[0])
-                self._failures = 0
-            except ConfigurationError:
-                raise
-            except (sqlalchemy.exc.SQLAlchemyError, QtpError) as exc:  # e.g. a database this host cannot reach
-                self._failures += 1
-                backoff = min(300.0, 3 * self.lease_settings.ttl * 2 ** (self._failures - 1))
-                self._unready_until = time.monotonic() + backoff
-                log.warning("node %s: this replica could not take a slot (%s); it counts itself out of the fair "
-                            "share for %.0f s", self.node_id, _first_line(exc), backoff)
+            # its whole share at once (a replica starting alone, or the one left when the other died, serves
+            # every slot now, not one more per look); a slot another replica took meanwhile is left to it
+            for k in free[:fair - len(mine)] if len(mine) < fair else orphaned[:1]:
+                try:
+                    self._take(k)
+                    self._failures = 0
+                except ConfigurationError:
+                    raise
+                except (sqlalchemy.exc.SQLAlchemyError, QtpError) as exc:  # e.g. a database this host cannot reach
+                    self._failures += 1
+                    backoff = min(300.0, 3 * self.lease_settings.ttl * 2 ** (self._failures - 1))
+                    self._unready_until = time.monotonic() + backoff
+                    log.warning("node %s: this replica could not take a slot (%s); it counts itself out of the "
+                                "fair share for %.0f s", self.node_id, _first_line(exc), backoff)
+                    break
         elif len(mine) > fair:
             counts = {m: 0 for m in ready}
             for m in holders.values():
