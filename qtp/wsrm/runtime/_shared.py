@@ -788,7 +788,7 @@ def _busy(environ: dict[str, Any], start_response: Callable[..., Any], text: str
     if soap is None:
         return _plain(start_response, 503, text, _RETRY)
     status, headers, body = Endpoint._respond(_bare_fault(soap, "Receiver", text), 503)
-    start_response("503 Service Unavailable", [*headers, ("Retry-After", "1")])
+    start_response("503 Service Unavailable", [*headers, *_RETRY])
     return [body]
 
 
