@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 from qtp.wsrm.runtime import _node
 from qtp.wsrm.runtime._node import Node
@@ -38,6 +39,7 @@ def test_a_database_down_is_logged_once_with_its_traceback_then_once_a_minute_an
     monkeypatch.setattr(_node, "MAINTENANCE_SAID_S", 1.5, raising=False)
     node = Node.__new__(Node)  # only what the loop uses
     node._stopping, node.wake = threading.Event(), threading.Event()
+    node.manager = SimpleNamespace(node_id="n")
     node.sender, node.receiver, node.invoker = _Down(), _Quiet(), _Quiet()
     caplog.set_level(logging.INFO, logger="qtp.wsrm.node")
     loop = threading.Thread(target=node._maintain, daemon=True)
@@ -58,8 +60,29 @@ def test_a_database_down_is_logged_once_with_its_traceback_then_once_a_minute_an
     assert failed_ticks >= 4 and down_s >= 2.9, (failed_ticks, down_s)
     records = [r for r in caplog.records if "maintenance" in r.getMessage()]
     with_traceback = [r for r in records if r.exc_info]
-    assert len(with_traceback) == 1 and with_traceback[0].getMessage() == "node maintenance failed"
+    assert len(with_traceback) == 1 and with_traceback[0].getMessage().startswith("node n maintenance failed: (2003")
     still = [r.getMessage() for r in records if "still failing" in r.getMessage()]
     assert 1 <= len(still) <= down_s / 1.5, (still, down_s)
     assert all("Can't connect" in line and "more detail" not in line for line in still), still
-    assert records[-1].getMessage().startswith("node maintenance works again after")
+    assert records[-1].getMessage().startswith("node n maintenance works again after")
+
+
+def test_qtp_serve_with_a_database_out_of_reach_exits_69_with_one_line(tmp_path) -> None:
+    """Outside finding: a replica started while its database was down died with an OperationalError
+    traceback and status 1; a supervisor and an operator need the status to restart on and one line."""
+    import subprocess
+    import sys
+
+    from qtp.embedded import free_port
+    from qtp.testing.nodes import Pair, Replicas
+
+    dead = f"postgresql+psycopg2://postgres@127.0.0.1:{free_port()}/nowhere"
+    pair = Pair(dead, dead, proxy_port=free_port())
+    plain = pair.write(tmp_path)[1]
+    (tmp_path / "replicas").mkdir()
+    sharing = Replicas(pair, servers=2, clients=1, ttl=2, slots=2).write(tmp_path / "replicas")["server-a"]
+    for config in (plain, sharing):
+        done = subprocess.run([sys.executable, "-m", "qtp", "serve", "--config", str(config)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 69, (config, done.returncode, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr and "a database of the node is out of reach" in done.stderr

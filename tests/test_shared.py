@@ -246,14 +246,18 @@ def test_signed_requests_are_checked_by_the_slot_whichever_replica_they_reach(pg
                 forged = 'id="%s", to="%s", boot="x", ts="%d", nonce="%s", sig="%s"' % (  # a peer's name, no MAC
                     load_config(configs["client"]).node_id, node_id, int(time.time() * 1000), "n" * 16, "A" * 43 + "=")
                 # helper-35: one claiming to be a forward from another replica was answered 503, not counted
-                for headers in ({}, {"X-Qtp-Signature": forged}, {"X-Qtp-Forwarded": "1"},
-                                {"X-Qtp-Forwarded": "1", "X-Qtp-Slot": str(_slots_of(there)[0])}):
-                    answer = requests.post(f"http://127.0.0.1:{replicas.ports[here]}/rm", data=body, timeout=10,
+                # helper-36: one naming the slot in ?qtp-slot= (as acknowledgements to an AcksTo do) was forwarded
+                query = f"?qtp-slot={_slots_of(there)[0]}"
+                for headers, at in (({}, ""), ({"X-Qtp-Signature": forged}, ""), ({"X-Qtp-Forwarded": "1"}, ""),
+                                    ({"X-Qtp-Forwarded": "1", "X-Qtp-Slot": str(_slots_of(there)[0])}, ""),
+                                    ({}, query), ({"X-Qtp-Signature": forged}, query)):
+                    answer = requests.post(f"http://127.0.0.1:{replicas.ports[here]}/rm{at}", data=body, timeout=10,
                                            headers={"Content-Type": "application/soap+xml", **headers})
-                    assert answer.status_code == 401, (headers, answer.status_code, answer.text)
-                after = {name: refused(name) for name in ("server-a", "server-b")}
-                other = "server-b" if here == "server-a" else "server-a"
-                assert after[here] - before[here] == 4 and after[other] == before[other], (here, before, after)
+                    assert answer.status_code == 401, (headers, at, answer.status_code, answer.text)
+                    after = {name: refused(name) for name in ("server-a", "server-b")}
+                    other = "server-b" if here == "server-a" else "server-a"
+                    assert after[other] == before[other], (here, headers, at, before, after)
+                assert after[here] - before[here] == 6, (here, before, after)
         finally:
             for node in (client, a, b):
                 node.kill()

@@ -64,6 +64,7 @@ from typing import Any, Callable
 import sqlalchemy
 from sqlalchemy import event
 
+from qtp._failures import Failures
 from qtp.config import LeaseSettings
 from qtp.errors import ConfigurationError, FencedError, LeaseHeldError
 
@@ -292,14 +293,19 @@ class Lease:
     def _renew_loop(self) -> None:
         every = self.settings.renew_every
         forget_at = 0.0
+        failures = Failures(log, f"node {self.node_id}: lease renewal")
         while not self._stop.wait(every if self.valid() else min(every, 0.25)):
             try:
                 holder = self._renew()
             except sqlalchemy.exc.SQLAlchemyError as exc:
                 left = self._valid_until - time.monotonic()
-                log.warning("node %s: lease renewal failed (%s); %s", self.node_id, _first_line(exc),
-                            f"{left:.1f} s of lease left" if left > 0 else "writes refused until it succeeds")
+                if left <= 0 and left + every > 0:  # said once, as it happens, whatever was said before
+                    log.warning("node %s: the lease ran out while renewal fails: writes refused until it "
+                                "succeeds", self.node_id)
+                failures.failed(exc, detail=f"{left:.1f} s of lease left" if left > 0
+                                else "writes refused until it succeeds")
                 continue
+            failures.worked()
             if holder != (self.member, self.epoch):
                 self._lose(f"{holder[0]} holds it at epoch {holder[1]}" if holder else "its row is gone")
                 return

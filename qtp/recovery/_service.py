@@ -22,6 +22,7 @@ import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
+from qtp._failures import Failures
 from qtp.coordinator._log import clear_lost_mark, read_lost_mark, write_lost_mark
 from qtp.recovery._core import RecoveryReport, run_pass, scan
 from qtp.recovery._node import add_quarantine, read_quarantine
@@ -127,11 +128,14 @@ class RecoveryService:
         return report
 
     def _loop(self) -> None:
+        failures = Failures(log, f"periodic recovery of node {self.manager.node_id}", level=logging.ERROR)
         while not self._stop.wait(self.interval):
             try:
                 self.run_once(two_pass=True)
             except Exception as exc:  # the background pass must survive anything; it reports and retries
-                log.error("periodic recovery of node %s failed: %s", self.manager.node_id, exc)
+                failures.failed(exc)
+                continue
+            failures.worked()
 
     def stop(self) -> None:
         self._stop.set()

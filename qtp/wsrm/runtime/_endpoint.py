@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from qtp._failures import first_line
 from qtp.errors import QtpError
 from qtp.wsrm.codec import (
     BATCH_CONTENT_TYPE,
@@ -54,7 +55,7 @@ from qtp.wsrm.codec import (
     most_elements,
 )
 from qtp.wsrm.codec._names import WSA_FAULT_ACTION
-from qtp.wsrm.runtime._refusals import refusals
+from qtp.wsrm.runtime._refusals import outages, refusals
 from qtp.wsrm.runtime._security import (
     BOOT_HEADER,
     HEADER,
@@ -252,7 +253,7 @@ class Endpoint:
         try:
             answer = handle()
         except (QtpError, SQLAlchemyError) as exc:  # the store is unreachable: nothing acknowledged
-            log.warning("could not take a message now: %s", exc)
+            outages.warn(log, "could not take a message now", "could not take a message now: %s", first_line(exc))
             return self._respond(_bare_fault(envelope.soap, "Receiver", "the node cannot take messages now; "
                                              "retry later"), 503)
         except Exception:  # a bug: the peer learns that it happened, the log learns what

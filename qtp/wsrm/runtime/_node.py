@@ -27,13 +27,13 @@ Node only assembles the parts: each worker is given, when it is built, the few c
 from __future__ import annotations
 
 import logging
-import math
 import ssl
 import threading
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from qtp._failures import Failures
 from qtp.errors import BacklogFullError, ConfigurationError
 from qtp.wsrm.codec import check_payload
 from qtp.wsrm.runtime._endpoint import Endpoint
@@ -377,7 +377,8 @@ class Node:
 
     def _maintain(self) -> None:
         polled = 0.0
-        failing, said = 0, -math.inf  # failed ticks in a row; when that was last logged
+        failures = Failures(log, f"node {self.manager.node_id} maintenance", every=MAINTENANCE_SAID_S,
+                            level=logging.ERROR)
         while not self._stopping.is_set():
             self.wake.clear()
             now = SYSTEM_CLOCK.time()
@@ -388,19 +389,10 @@ class Node:
                     self.invoker.poll_redeliveries()
                     polled = now
             except Exception as exc:  # keep running: the next tick retries from the stores, a second later
-                failing += 1
-                if failing == 1:  # a database down says so on every tick: the first with its traceback, then
-                    log.exception("node maintenance failed")  # a line a minute while it lasts
-                    said = now
-                elif now - said >= MAINTENANCE_SAID_S:
-                    log.error("node maintenance still failing (%d ticks in a row): %s", failing,
-                              str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-                    said = now
+                failures.failed(exc, traceback=True)
                 self.wake.wait(1.0)
                 continue
-            if failing:
-                log.warning("node maintenance works again after %d failed ticks", failing)
-                failing = 0
+            failures.worked()
             wait = 0.2 if due is None else max(0.0, min(0.2, due - SYSTEM_CLOCK.time()))
             self.wake.wait(wait)
 

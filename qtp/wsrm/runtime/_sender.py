@@ -54,6 +54,7 @@ from typing import Any, Callable, Mapping
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from qtp._failures import first_line
 from qtp.coordinator.failpoints import failpoint
 from qtp.errors import QtpError
 from qtp.wsrm.codec import (
@@ -113,6 +114,7 @@ from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.runtime._answers import read_answer
 from qtp.wsrm.runtime._ids import create_message_id, new_identifier
 from qtp.wsrm.runtime._mailbox import Mailbox
+from qtp.wsrm.runtime._refusals import outages
 from qtp.wsrm.runtime._offers import Offers
 from qtp.wsrm.runtime._ownership import Ownership, Source
 from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock, Run, Wake
@@ -237,7 +239,8 @@ class Sender:
             try:
                 self._fill(route, now, acks)
             except (QtpError, SQLAlchemyError) as exc:
-                log.warning("route %s: cannot take new messages now: %s", route, exc)
+                outages.warn(log, "a route cannot take new messages now", "route %s: cannot take new messages now: %s",
+                             route, first_line(exc))
 
     def _fill(self, route: str, now: float, acks: dict[Outbound, AckReceived]) -> None:
         seq = self._sequence_for(route, now)

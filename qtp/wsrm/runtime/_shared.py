@@ -58,6 +58,7 @@ import sqlalchemy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
+from qtp._failures import Failures
 from qtp.config import load_config
 from qtp.coordinator._lease import (_NOW, FORGET_MEMBERS_S, LEASE_TABLE, MEMBER_TABLE, REPLICA_TABLE, lease_home,
                                    process_member)
@@ -350,6 +351,7 @@ class SharedNode:
         self.close()
 
     def _balance_loop(self) -> None:
+        failures = Failures(log, f"node {self.node_id}: balancing the slots")
         while not self._stop.wait(self.poll_s):
             try:
                 self._balance_once()
@@ -357,9 +359,12 @@ class SharedNode:
                 self._fail(exc)
                 return
             except (sqlalchemy.exc.SQLAlchemyError, QtpError) as exc:
-                log.warning("node %s: slots not balanced (%s); trying again", self.node_id, _first_line(exc))
+                failures.failed(exc, detail="trying again")
+                continue
             except Exception:  # a bug: keep the replica running, say what
                 log.exception("node %s: balancing the slots failed", self.node_id)
+                continue
+            failures.worked()
 
     def _balance_once(self) -> None:
         """One look at the replicas and the slots' leases: drop lost slots, take a free one while below the fair

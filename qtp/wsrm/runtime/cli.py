@@ -34,7 +34,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy
 
+from qtp._failures import first_line
 from qtp._render import table
 from qtp.config import load_config, slot_configs
 from qtp.coordinator import install
@@ -46,6 +48,7 @@ from qtp.wsrm.runtime._status import stores
 
 
 LEASE_LOST_EXIT = 75  # EX_TEMPFAIL: `qtp serve` lost its node's lease to another process ([lease])
+UNAVAILABLE_EXIT = 69  # EX_UNAVAILABLE: a database of the node could not be reached while starting
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -72,8 +75,14 @@ def run_serve(args: argparse.Namespace) -> int:
     # A standby waits for its node's lease inside from_config (or the application's import of it): SIGTERM
     # there ends the wait as an exception, so that it is marked gone rather than killed where it stands.
     signal.signal(signal.SIGTERM, _exit_now)
-    node = _load_app(args.app) if args.app else Node.from_config(args.config or "qtp.toml")
-    node.start()  # after the application registered its handlers
+    try:
+        node = _load_app(args.app) if args.app else Node.from_config(args.config or "qtp.toml")
+        node.start()  # after the application registered its handlers
+    except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError) as exc:
+        # a database out of reach at the start: one line, and the status a supervisor restarts on
+        print(f"qtp serve: a database of the node is out of reach, not started ({first_line(exc)}); exiting "
+              f"with status {UNAVAILABLE_EXIT}", file=sys.stderr, flush=True)
+        return UNAVAILABLE_EXIT
     install(node.manager)
     # what the start made (modules, configuration, pools: ~80,000 objects) stays for the life of the process:
     # out of the collector's sight, a full collection (the HTTP server's after bursts of closed connections,

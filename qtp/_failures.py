@@ -1,0 +1,50 @@
+"""What a loop that retries says while its work keeps failing (a database out of reach, say).
+
+Every background loop of a node (maintenance, lease renewal, recovery, slot balancing) retries its work on its
+next turn. Logging every failed turn wrote thousands of lines a minute during a database outage (one replica
+holding four slots: 7,066 lines in 75 s), burying what the operator needs. ``Failures`` says the first failure
+(with its traceback when asked), then one line every ``every`` seconds while the failures go on, and one line
+when the work succeeds again; in between it counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class Failures:
+    def __init__(self, log: logging.Logger, what: str, every: float = 60.0, level: int = logging.WARNING,
+                 clock: Callable[[], float] = time.monotonic):
+        self.log, self.what, self.every, self.level, self.clock = log, what, every, level, clock
+        self.count = 0  # failed turns in a row
+        self._said = -math.inf
+
+    def failed(self, exc: BaseException, traceback: bool = False, detail: str = "") -> None:
+        """One failed turn of the loop; ``detail`` is added to what is said (e.g. how long the lease holds)."""
+        self.count += 1
+        now = self.clock()
+        extra = f"; {detail}" if detail else ""
+        if self.count == 1:
+            self.log.log(self.level, "%s failed: %s%s", self.what, first_line(exc), extra,
+                         exc_info=exc if traceback else None)
+        elif now - self._said >= self.every:
+            self.log.log(self.level, "%s still failing (%d times in a row): %s%s", self.what, self.count,
+                         first_line(exc), extra)
+        else:
+            return
+        self._said = now
+
+    def worked(self) -> None:
+        """A turn that succeeded: said once after failures."""
+        if self.count:
+            self.log.warning("%s works again after %d failed turns", self.what, self.count)
+            self.count = 0
+            self._said = -math.inf
