@@ -4,15 +4,18 @@ Every background loop of a node (maintenance, lease renewal, recovery, slot bala
 next turn. Logging every failed turn wrote thousands of lines a minute during a database outage (one replica
 holding four slots: 7,066 lines in 75 s), burying what the operator needs. ``Failures`` says the first failure
 (with its traceback when asked), then one line every ``every`` seconds while the failures go on, and one line
-when the work succeeds again; in between it counts.
+when the work succeeds again; in between it counts. ``RefusalWarnings`` does the same for what many threads
+say about many requests (refused ones, ones that cannot be stored now): per kind, the first with its detail,
+then a count with the next line after ``interval``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 
 def first_line(exc: BaseException) -> str:
@@ -48,3 +51,30 @@ class Failures:
             self.log.warning("%s works again after %d failed turns", self.what, self.count)
             self.count = 0
             self._said = -math.inf
+
+
+class RefusalWarnings:
+    """Rate-limited warnings, per reason: the first with its detail; those within ``interval`` after it only
+    counted, the count said before the next one logged (qtp.wsrm.runtime._refusals has the node's)."""
+
+    def __init__(self, interval: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 summary: str = "refused %s more %s request(s) in the last %.0f s"):
+        self.interval = interval
+        self.summary = summary  # the line for the ones not logged: % (count, reason, seconds)
+        self._clock = clock
+        self._mutex = threading.Lock()
+        self._windows: dict[str, tuple[float, int]] = {}  # reason -> (window start, refusals not logged since)
+
+    def warn(self, log: logging.Logger, reason: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
+        """Log ``message % args`` (a warning, or ``level``) unless ``reason`` was logged less than ``interval``
+        ago."""
+        now = self._clock()
+        with self._mutex:
+            started, quiet = self._windows.get(reason, (None, 0))
+            if started is not None and now - started < self.interval:
+                self._windows[reason] = (started, quiet + 1)
+                return
+            self._windows[reason] = (now, 0)
+        if quiet:
+            log.log(level, self.summary, f"{quiet:,}", reason, now - started)
+        log.log(level, message, *args)

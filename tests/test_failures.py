@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from qtp._failures import Failures
+from qtp._failures import Failures, RefusalWarnings
 
 
 def test_the_first_failure_is_said_then_one_line_per_interval_then_once_when_it_works_again(caplog) -> None:
@@ -31,3 +31,67 @@ def test_the_first_failure_is_said_then_one_line_per_interval_then_once_when_it_
     failures.failed(error)  # a new outage: said again at once, without a traceback unless asked
     assert [(r.getMessage(), bool(r.exc_info)) for r in caplog.records] == [
         ("node n: lease renewal failed: (2003, \"Can't connect\")", False)]
+
+
+def test_recovery_says_an_unreachable_resource_once_a_minute_and_when_it_is_back(caplog) -> None:
+    """Outside finding (helper-37): on a node without slots, every periodic recovery pass logged "resource
+    'app' is unreachable" at ERROR (30 lines a minute with a 2 s interval), with no line when it came back."""
+    from qtp.recovery._core import RecoveryReport
+    from qtp.recovery._service import RecoveryService
+
+    now = [0.0]
+    service = RecoveryService.__new__(RecoveryService)  # only what _log uses
+    service._out_of_reach = RefusalWarnings(summary="recovery: %s more passes found %s unreachable (in the last "
+                                                    "%.0f s)", clock=lambda: now[0])
+    service._unreachable = set()
+    caplog.set_level(logging.INFO, logger="qtp.recovery")
+    down = RecoveryReport("n", unreachable={"app": "connection refused\n\tIs the server running?"})
+    for _ in range(45):  # 90 s of passes every 2 s
+        service._log(down)
+        now[0] += 2.0
+    service._log(RecoveryReport("n"))
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said == [
+        ("ERROR", "recovery: resource 'app' is unreachable (connection refused); start it or fix its URL, then run "
+                  "`qtp recover` again"),
+        ("ERROR", "recovery: 29 more passes found resource 'app' unreachable (in the last 60 s)"),
+        ("ERROR", "recovery: resource 'app' is unreachable (connection refused); start it or fix its URL, then run "
+                  "`qtp recover` again"),
+        ("WARNING", "recovery: resource 'app' is reachable again"),
+    ], said
+
+
+def test_a_delivery_that_finds_its_database_out_of_reach_is_said_once_a_minute_not_with_a_traceback_each(
+        caplog, monkeypatch) -> None:
+    """Outside finding (helper-37): each delivery attempt during a 75 s outage logged "failed unexpectedly"
+    at ERROR with a 120-line traceback, about once a second (10,784 lines)."""
+    import sqlalchemy.exc
+
+    from qtp.wsrm.runtime import _invoker, _refusals
+    from qtp.wsrm.runtime._invoker import Invoker
+
+    now = [0.0]
+    monkeypatch.setattr(_refusals.outages, "_clock", lambda: now[0])
+    monkeypatch.setattr(_refusals.outages, "_windows", {})
+    invoker = Invoker.__new__(Invoker)  # only what step uses
+    aborted: list[tuple[str, int]] = []
+
+    class _Schedule:
+        def get(self, timeout: float) -> tuple[str, int]:
+            return ("urn:uuid:s", 7)
+
+    def down(identifier: str, number: int) -> None:
+        raise sqlalchemy.exc.OperationalError("SELECT", {}, ConnectionRefusedError("(2003, \"Can't connect\")"))
+
+    invoker._schedule, invoker._deliver = _Schedule(), down
+    invoker._abort = lambda identifier, number, at: aborted.append((identifier, number))
+    invoker.clock = type("C", (), {"time": staticmethod(lambda: now[0])})()
+    caplog.set_level(logging.INFO, logger=_invoker.log.name)
+    for _ in range(75):  # a second apart
+        assert invoker.step() is True
+        now[0] += 1.0
+    said = [r for r in caplog.records if r.name == _invoker.log.name]
+    assert len(aborted) == 75 and not any(r.exc_info for r in said), said
+    # the first with its cause, then at 60 s the count of those in between and the next one
+    assert [r.getMessage().split(":")[0] for r in said] == ["delivering urn", "59 more times", "delivering urn"], \
+        [r.getMessage() for r in said]

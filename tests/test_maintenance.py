@@ -86,3 +86,21 @@ def test_qtp_serve_with_a_database_out_of_reach_exits_69_with_one_line(tmp_path)
                               text=True, timeout=120)
         assert done.returncode == 69, (config, done.returncode, done.stderr[-2000:])
         assert "Traceback" not in done.stderr and "a database of the node is out of reach" in done.stderr
+
+
+def test_qtp_serve_with_a_database_that_refuses_its_name_exits_2_not_69(pg_db, tmp_path) -> None:
+    """Outside finding (helper-37): a wrong database name or login is the configuration's fault; status 69 told a
+    supervisor to start it again for ever."""
+    import subprocess
+    import sys
+
+    from qtp.embedded import free_port
+    from qtp.testing.nodes import Pair
+
+    url = pg_db("exists")
+    missing = url.rsplit("/", 1)[0] + "/no_such_database"
+    config = Pair(missing, missing, proxy_port=free_port()).write(tmp_path)[1]
+    done = subprocess.run([sys.executable, "-m", "qtp", "serve", "--config", str(config)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr and "refused the connection's login or database name" in done.stderr

@@ -125,10 +125,11 @@ class RecoveryReport:
     def ok(self) -> bool:
         return self.error is None and not self.unreachable and not self.problems
 
-    def reasons(self) -> list[str]:
-        """Why the pass is not ``ok``, one sentence each, naming the fix."""
+    def reasons(self, unreachable: bool = True) -> list[str]:
+        """Why the pass is not ``ok``, one sentence each, naming the fix (without the unreachable resources'
+        when ``unreachable`` is false)."""
         out = [self.error] if self.error else []
-        for name, message in sorted(self.unreachable.items()):
+        for name, message in sorted(self.unreachable.items() if unreachable else ()):
             out.append(f"resource {name!r} is unreachable ({message}); start it or fix its URL, then run "
                        "`qtp recover` again")
         kinds: dict[str, int] = {}

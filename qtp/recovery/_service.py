@@ -22,7 +22,7 @@ import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
-from qtp._failures import Failures
+from qtp._failures import Failures, RefusalWarnings, first_line
 from qtp.coordinator._log import clear_lost_mark, read_lost_mark, write_lost_mark
 from qtp.recovery._core import RecoveryReport, run_pass, scan
 from qtp.recovery._node import add_quarantine, read_quarantine
@@ -50,6 +50,8 @@ class RecoveryService:
         self._thread: threading.Thread | None = None
         self.last_report: RecoveryReport | None = None
         self.passes = 0
+        self._out_of_reach = RefusalWarnings(summary="recovery: %s more passes found %s unreachable (in the last %.0f s)")
+        self._unreachable: set[str] = set()  # the resources the last pass could not reach
 
     # ------------------------------------------------------------------ passes
 
@@ -110,8 +112,17 @@ class RecoveryService:
     def _log(self, report: RecoveryReport) -> None:
         if report.committed or report.rolled_back or report.ended:
             log.warning("recovery: %s", report.summary())
-        for reason in report.reasons():
+        for reason in report.reasons(unreachable=False):
             log.error("recovery: %s", reason)
+        # a resource out of reach is said at its first pass, then once a minute with a count, and when it is
+        # back (every pass said it: 30 lines a minute with a 2 s interval)
+        for name, message in sorted(report.unreachable.items()):
+            self._out_of_reach.warn(log, f"resource {name!r}", "recovery: resource %r is unreachable (%s); start "
+                                    "it or fix its URL, then run `qtp recover` again", name,
+                                    first_line(Exception(message)), level=logging.ERROR)
+        for name in sorted(self._unreachable - set(report.unreachable)):
+            log.warning("recovery: resource %r is reachable again", name)
+        self._unreachable = set(report.unreachable)
 
     # ------------------------------------------------------------------ background
 

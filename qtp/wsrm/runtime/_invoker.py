@@ -34,6 +34,7 @@ import traceback
 from dataclasses import replace
 from typing import Any, Callable, ContextManager
 
+from qtp._failures import first_line
 from qtp.coordinator.failpoints import failpoint
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -54,7 +55,7 @@ from qtp.wsrm.protocol import (
 from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.runtime._ids import new_message_id
 from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock, Handlers
-from qtp.wsrm.runtime._refusals import RefusalWarnings, refusals
+from qtp.wsrm.runtime._refusals import RefusalWarnings, outages, refusals
 from qtp.wsrm.runtime._sequences import Destinations
 from qtp.wsrm.runtime._settings import Limits
 from qtp.wsrm.runtime._stores import Enlisted
@@ -288,6 +289,10 @@ class Invoker:
             return False
         try:
             self._deliver(*item)
+        except (QtpError, SQLAlchemyError) as exc:  # a database out of reach: the message waits a second
+            outages.warn(log, "a message cannot be delivered now", "delivering %s #%d failed: %s", *item,
+                         first_line(exc))
+            self._abort(item[0], item[1], at=self.clock.time() + 1.0)
         except Exception:  # the worker survives; the message stays stored and in flight is released
             log.exception("delivering %s #%d failed unexpectedly", *item)
             self._abort(item[0], item[1], at=self.clock.time() + 1.0)

@@ -11,37 +11,7 @@ increment it themselves.
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from typing import Any, Callable
-
-
-class RefusalWarnings:
-    """Rate-limited refusal warnings, per reason (see the module docstring)."""
-
-    def __init__(self, interval: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 summary: str = "refused %s more %s request(s) in the last %.0f s"):
-        self.interval = interval
-        self.summary = summary  # the line for the ones not logged: % (count, reason, seconds)
-        self._clock = clock
-        self._mutex = threading.Lock()
-        self._windows: dict[str, tuple[float, int]] = {}  # reason -> (window start, refusals not logged since)
-
-    def warn(self, log: logging.Logger, reason: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
-        """Log ``message % args`` (a warning, or ``level``) unless ``reason`` was logged less than ``interval``
-        ago."""
-        now = self._clock()
-        with self._mutex:
-            started, quiet = self._windows.get(reason, (None, 0))
-            if started is not None and now - started < self.interval:
-                self._windows[reason] = (started, quiet + 1)
-                return
-            self._windows[reason] = (now, 0)
-        if quiet:
-            log.log(level, self.summary, f"{quiet:,}", reason, now - started)
-        log.log(level, message, *args)
-
+from qtp._failures import RefusalWarnings  # noqa: F401 - the class lives beside Failures; the sites import it here
 
 refusals = RefusalWarnings()  # the process's one node shares it: the log it limits is the process's
 # what a database out of reach makes every loop and request say (a store, a lease, recovery): the first of each

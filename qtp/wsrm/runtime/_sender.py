@@ -220,7 +220,8 @@ class Sender:
                 try:
                     self.event(seq, TimerFired(now))
                 except (QtpError, SQLAlchemyError) as exc:  # the store is down: try again at the next tick
-                    log.warning("sequence %s: timer not handled now: %s", seq.key, exc)
+                    outages.warn(log, "a sequence's timer cannot be handled now", "sequence %s: timer not handled now: %s",
+                                 seq.key, first_line(exc))
                     due.append(now + 1.0)
                     continue
                 at = seq.machine.next_timer(seq.machine.record) if seq.key in self.sources else None

@@ -79,6 +79,10 @@ def run_serve(args: argparse.Namespace) -> int:
         node = _load_app(args.app) if args.app else Node.from_config(args.config or "qtp.toml")
         node.start()  # after the application registered its handlers
     except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError) as exc:
+        if _refused_login(exc):  # the configuration's fault: starting again would not help
+            print(f"qtp serve: a database of the node refused the connection's login or database name, not "
+                  f"started ({first_line(exc)}); fix the resource's URL", file=sys.stderr, flush=True)
+            return 2
         # a database out of reach at the start: one line, and the status a supervisor restarts on
         print(f"qtp serve: a database of the node is out of reach, not started ({first_line(exc)}); exiting "
               f"with status {UNAVAILABLE_EXIT}", file=sys.stderr, flush=True)
@@ -114,6 +118,20 @@ def run_serve(args: argparse.Namespace) -> int:
             return LEASE_LOST_EXIT
     node.close()
     return 0
+
+
+_LOGIN_REFUSED_MYSQL = {1044, 1045, 1049, 1698}  # access denied (database, user), unknown database
+_LOGIN_REFUSED_PG = ("password authentication failed", "does not exist", "no pg_hba.conf entry")
+
+
+def _refused_login(exc: BaseException) -> bool:
+    """Whether a database answered but refused the login or the database name (a configuration error), as
+    opposed to being out of reach."""
+    orig = getattr(exc, "orig", None)
+    args = getattr(orig, "args", ())
+    if args and isinstance(args[0], int):
+        return args[0] in _LOGIN_REFUSED_MYSQL
+    return any(text in str(orig) for text in _LOGIN_REFUSED_PG)
 
 
 def _exit_now(signum: int, _frame: Any) -> None:
