@@ -21,17 +21,18 @@ ANY = frozenset({"*"})
 
 ALLOWED: dict[str, frozenset[str]] = {
     "errors": frozenset(),
+    "_failures": frozenset(),  # what a retrying loop says while its work fails: below every layer that loops
     "_version": frozenset(),  # the version string alone
     "config": frozenset({"errors"}),
     "xa": frozenset({"errors"}),
-    "coordinator": frozenset({"errors", "config", "xa"}),
-    "recovery": frozenset({"errors", "config", "xa", "coordinator", "_render"}),
+    "coordinator": frozenset({"errors", "config", "xa", "_failures"}),
+    "recovery": frozenset({"errors", "config", "xa", "coordinator", "_render", "_failures"}),
     "wsrm": frozenset(),
     "wsrm.protocol": frozenset({"errors"}),
     "wsrm.codec": frozenset({"errors", "wsrm.protocol"}),
     "wsrm.store": frozenset({"errors", "wsrm.protocol"}),
     "wsrm.runtime": frozenset({"errors", "config", "xa", "coordinator", "wsrm.protocol", "wsrm.codec", "wsrm.store",
-                               "_render", "_version"}),
+                               "_render", "_version", "_failures"}),
     "coupled": frozenset({"errors", "config", "xa", "coordinator", "wsrm.store", "wsrm.runtime", "_render"}),
     "reconcile": frozenset({"errors"}),
     "embedded": frozenset({"errors"}),

@@ -50,7 +50,8 @@ class RecoveryService:
         self._thread: threading.Thread | None = None
         self.last_report: RecoveryReport | None = None
         self.passes = 0
-        self._out_of_reach = RefusalWarnings(summary="recovery: %s more passes found %s unreachable (in the last %.0f s)")
+        self._out_of_reach = RefusalWarnings(summary="recovery: %s more passes found %s unreachable (in the last "
+                                                     "%.0f s)")
         self._unreachable: set[str] = set()  # the resources the last pass could not reach
 
     # ------------------------------------------------------------------ passes

@@ -114,10 +114,10 @@ from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.runtime._answers import read_answer
 from qtp.wsrm.runtime._ids import create_message_id, new_identifier
 from qtp.wsrm.runtime._mailbox import Mailbox
-from qtp.wsrm.runtime._refusals import outages
 from qtp.wsrm.runtime._offers import Offers
 from qtp.wsrm.runtime._ownership import Ownership, Source
 from qtp.wsrm.runtime._ports import SYSTEM_CLOCK, Clock, Run, Wake
+from qtp.wsrm.runtime._refusals import outages
 from qtp.wsrm.runtime._security import Security
 from qtp.wsrm.runtime._sequences import Outbound, Sources
 from qtp.wsrm.runtime._settings import PAYLOAD_ROOM, ChannelSettings, Limits, channel_name
@@ -220,8 +220,8 @@ class Sender:
                 try:
                     self.event(seq, TimerFired(now))
                 except (QtpError, SQLAlchemyError) as exc:  # the store is down: try again at the next tick
-                    outages.warn(log, "a sequence's timer cannot be handled now", "sequence %s: timer not handled now: %s",
-                                 seq.key, first_line(exc))
+                    outages.warn(log, "a sequence's timer cannot be handled now",
+                                 "sequence %s: timer not handled now: %s", seq.key, first_line(exc))
                     due.append(now + 1.0)
                     continue
                 at = seq.machine.next_timer(seq.machine.record) if seq.key in self.sources else None
