@@ -15,6 +15,7 @@ Usage: ``python benchmarks/forward_cost.py [--requests 3000] [--threads 2] [--ro
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import http.client
 import json
 import statistics
@@ -74,22 +75,9 @@ def _post(port: int) -> None:
 
 
 def _drive(port: int, requests: int, threads: int) -> float:
-    left = iter(range(requests))
-    lock = threading.Lock()
-
-    def work() -> None:
-        while True:
-            with lock:
-                if next(left, None) is None:
-                    return
-            _post(port)
-
     began = time.monotonic()
-    workers = [threading.Thread(target=work) for _ in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda _: _post(port), range(requests)))
     return time.monotonic() - began
 
 

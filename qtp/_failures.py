@@ -18,8 +18,10 @@ import time
 from typing import Any, Callable
 
 
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
+def first_line(exc: BaseException | str | None) -> str:
+    """The first line of an error's message (its type's name when it has none): what a log line or a one-line
+    error names."""
+    text = str(exc or "").strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
 

@@ -34,7 +34,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "wsrm.runtime": frozenset({"errors", "config", "xa", "coordinator", "wsrm.protocol", "wsrm.codec", "wsrm.store",
                                "_render", "_version", "_failures"}),
     "coupled": frozenset({"errors", "config", "xa", "coordinator", "wsrm.store", "wsrm.runtime", "_render"}),
-    "reconcile": frozenset({"errors"}),
+    "reconcile": frozenset({"errors", "_failures"}),
     "embedded": frozenset({"errors"}),
     "_render": frozenset({"errors", "config"}),
     "qtp": frozenset({"errors", "coordinator", "recovery", "wsrm.runtime", "_version"}),  # the public API re-exported

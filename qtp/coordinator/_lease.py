@@ -64,7 +64,7 @@ from typing import Any, Callable
 import sqlalchemy
 from sqlalchemy import event
 
-from qtp._failures import Failures
+from qtp._failures import Failures, first_line
 from qtp.config import LeaseSettings
 from qtp.errors import ConfigurationError, FencedError, LeaseHeldError
 
@@ -294,18 +294,21 @@ class Lease:
         every = self.settings.renew_every
         forget_at = 0.0
         failures = Failures(log, f"node {self.node_id}: lease renewal")
+        ran_out = False  # said, in this run of failures
         while not self._stop.wait(every if self.valid() else min(every, 0.25)):
             try:
                 holder = self._renew()
             except sqlalchemy.exc.SQLAlchemyError as exc:
                 left = self._valid_until - time.monotonic()
-                if left <= 0 and left + every > 0:  # said once, as it happens, whatever was said before
+                if left <= 0 and not ran_out:  # said once, as it happens, whatever was said before
+                    ran_out = True
                     log.warning("node %s: the lease ran out while renewal fails: writes refused until it "
                                 "succeeds", self.node_id)
                 failures.failed(exc, detail=f"{left:.1f} s of lease left" if left > 0
                                 else "writes refused until it succeeds")
                 continue
             failures.worked()
+            ran_out = False
             if holder != (self.member, self.epoch):
                 self._lose(f"{holder[0]} holds it at epoch {holder[1]}" if holder else "its row is gone")
                 return
@@ -457,4 +460,5 @@ def read_lease(url: Any, node_id: str) -> LeaseView | None:
 
 
 def _first_line(exc: BaseException) -> str:
-    return str(getattr(exc, "orig", None) or exc).splitlines()[0][:200]
+    """The driver's own message when SQLAlchemy wraps one, first line, at most 200 characters."""
+    return first_line(getattr(exc, "orig", None) or exc)[:200]

@@ -21,6 +21,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
 
+from qtp._failures import first_line
 from qtp.errors import ConfigurationError
 
 JAR_DIRS = ("/usr/share/java",)
@@ -161,7 +162,7 @@ def probe(spec: TableSpec, side: str) -> ProbedTable:
                 bounds = None if lo is None else Bounds(int(lo), int(hi))
     except sa.exc.OperationalError as exc:
         raise ConfigurationError(
-            f"cannot reach the {side} database {shown}: {_first_line(exc.orig)}; check that the server runs "
+            f"cannot reach the {side} database {shown}: {first_line(exc.orig)}; check that the server runs "
             "and the host, port, user and database in the URL"
         ) from exc
     finally:
@@ -216,11 +217,6 @@ def _is_integer_type(sa_type: sa.types.TypeEngine) -> bool:
         return sa_type.python_type is int
     except NotImplementedError:
         return False
-
-
-def _first_line(exc: BaseException | None) -> str:
-    text = str(exc or "").strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def read_options(probed: ProbedTable, partitions: int, fetchsize: int) -> dict[str, str]:

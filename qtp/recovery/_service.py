@@ -120,7 +120,7 @@ class RecoveryService:
         for name, message in sorted(report.unreachable.items()):
             self._out_of_reach.warn(log, f"resource {name!r}", "recovery: resource %r is unreachable (%s); start "
                                     "it or fix its URL, then run `qtp recover` again", name,
-                                    first_line(Exception(message)), level=logging.ERROR)
+                                    first_line(message), level=logging.ERROR)
         for name in sorted(self._unreachable - set(report.unreachable)):
             log.warning("recovery: resource %r is reachable again", name)
         self._unreachable = set(report.unreachable)
