@@ -95,3 +95,43 @@ def test_a_delivery_that_finds_its_database_out_of_reach_is_said_once_a_minute_n
     # the first with its cause, then at 60 s the count of those in between and the next one
     assert [r.getMessage().split(":")[0] for r in said] == ["delivering urn", "59 more times", "delivering urn"], \
         [r.getMessage() for r in said]
+
+
+def test_a_lease_renewal_that_keeps_failing_says_once_that_the_lease_ran_out(caplog) -> None:
+    """The lease renewal loop: the first failure, the moment the lease runs out (once, though the loop then
+    turns four times a second), and the return; not a line per turn."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import sqlalchemy.exc
+
+    from qtp.coordinator._lease import Lease
+
+    lease = Lease.__new__(Lease)  # only what the renewal loop uses
+    lease.node_id, lease.member, lease.epoch = "n", "m", 1
+    lease.settings = SimpleNamespace(renew_every=0.6)  # past the lease the loop turns every 0.25 s
+    lease._stop = threading.Event()
+    lease._valid_until = time.monotonic() + 0.5
+    lease.valid = lambda: time.monotonic() < lease._valid_until
+    turns = {"n": 0}
+
+    def renew() -> tuple[str, int]:
+        turns["n"] += 1
+        if turns["n"] <= 8:  # the first at 0.6 s, after the lease ran out; then every 0.25 s
+            raise sqlalchemy.exc.OperationalError("SELECT", {}, ConnectionRefusedError("refused"))
+        if turns["n"] >= 10:
+            lease._stop.set()
+        return ("m", 1)
+
+    lease._renew, lease._forget_gone = renew, lambda: None
+    caplog.set_level(logging.INFO, logger="qtp.lease")
+    loop = threading.Thread(target=lease._renew_loop, daemon=True)
+    loop.start()
+    loop.join(10)
+    said = [r.getMessage() for r in caplog.records if r.name == "qtp.lease"]
+    assert turns["n"] >= 10
+    assert sum("the lease ran out" in line for line in said) == 1, said
+    assert sum(line.startswith("node n: lease renewal failed: ") for line in said) == 1, said
+    assert said[-1].startswith("node n: lease renewal works again after 8 failed turns"), said
+    assert len(said) == 3, said
