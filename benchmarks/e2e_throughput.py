@@ -28,10 +28,13 @@ four processes (client, server, PostgreSQL with its backends, MariaDB):
 - (S2) as (S1), the server as two processes sharing the work (``slots = 2``, each its own log folder and port,
   as on hosts of their own) behind a round-robin balancer, the client started once each server process holds
   a slot (``balanced_s`` after the first took both): what replicas that share the work give. The balancer
-  (``--balancer``) is HAProxy (one thread, connections to the replicas kept: ``qtp.testing.balancer``; its
+  (``--balancer``) is HAProxy (one thread, connections to the replicas kept, routing by slot: a request whose
+  URL names its slot, ``?qtp-slot=k``, goes to the replica holding it: ``qtp.testing.balancer``; its
   CPU reported as ``balancer``, this process's polls as ``measure``), or the test harness's ``LossyProxy``
   without faults (in this process, a connection per request; its CPU and the polls reported as ``proxy``);
   the second server process's CPU as ``server_b``;
+- (S2r) as (S2), HAProxy round-robin without routing by slot: half the requests reach the replica that does
+  not hold their slot, which forwards them (what routing by slot saves);
 - (s) **the strong baseline**, what a user would hand-write: an ``outbox`` row written in the client's
   local transaction; one relay thread takes up to 500 rows (``FOR UPDATE SKIP LOCKED``, in id order),
   sends them in one POST (JSON), and deletes them on a 200 in the same transaction; the server inserts the
@@ -92,10 +95,12 @@ LABELS = {"a": "qtp xa, queues co-located", "A": "qtp xa, co-located, authentica
           "d": "qtp xa, request-reply, polled backlog (drain)",
           "L": "qtp xa, co-located, [lease] (fenced commits)", "R": "qtp xa, co-located, [lease], a standby each",
           "S1": "qtp xa, [lease], slots = 2, one server", "S2": "qtp xa, [lease], slots = 2, two servers",
+          "S2r": "as S2, balancer not routing by slot",
           "s": "strong outbox baseline", "c": "serial outbox baseline"}
 SLOTS = 2  # (S1), (S2)
 METRICS_EVERY_S = 0.5  # the servers' /metrics (the stored stage) is read this often; the databases every 50 ms
-QTP_VARIANTS = ("a", "A", "L", "R", "S1", "S2", "b", "r", "p", "d")
+QTP_VARIANTS = ("a", "A", "L", "R", "S1", "S2", "S2r", "b", "r", "p", "d")
+SHARED = ("S1", "S2", "S2r")  # the server's [lease] with slots = SLOTS
 STRONG_BATCH = 500
 
 
@@ -209,7 +214,7 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
             rate: float | None = None, batch_handler: bool = False, reply: bool = False,
             secret: str | None = None, profile: Path | None = None, polls: bool = False, drain: bool = False,
             lease: bool = False, standby: bool = False, slots: int = 1, sharing: int = 1, lanes: int = 1,
-            balancer: str = "haproxy", per_thread: bool = False) -> dict:
+            balancer: str = "haproxy", per_thread: bool = False, route: bool = True) -> dict:
     """One run of a qtp variant; ``slots`` > 1: the server's ``[lease] slots``, run as ``sharing`` processes
     behind a round-robin LossyProxy without faults (one process too), the client with a ``[lease]``; ``lanes``
     > 1: the client's channel has that many lanes (sequences), each order keyed by its number."""
@@ -232,7 +237,8 @@ def run_qtp(pg, maria, folder: Path, messages: int, threads: int, other: bool, t
         client_config.write_text(client_config.read_text() + "\n[lease]\nttl = 10\n")
         # (S1) too reaches its one process through the balancer: the two variants differ in the processes only
         if balancer == "haproxy":
-            proxy = Haproxy(replicas.urls("server"), pair.proxy_port, run / "haproxy").start()
+            proxy = Haproxy(replicas.urls("server"), pair.proxy_port, run / "haproxy",
+                            slots=slots if route else 0).start()
         else:
             proxy = LossyProxy(replicas.urls("server"), port=pair.proxy_port, balance="round-robin").start()
     else:
@@ -464,8 +470,9 @@ def main(argv: list[str] | None = None) -> int:
                                 args.batch_handler, reply=variant in ("r", "p", "d"), polls=variant == "p",
                                 drain=variant == "d",
                                 secret=secrets.token_urlsafe(32) if variant == "A" else None,
-                                lease=variant in ("L", "S1", "S2"), standby=variant == "R",
-                                slots=SLOTS if variant in ("S1", "S2") else 1, sharing=2 if variant == "S2" else 1,
+                                lease=variant in ("L", *SHARED), standby=variant == "R",
+                                slots=SLOTS if variant in SHARED else 1, sharing=1 if variant == "S1" else 2,
+                                route=variant != "S2r",
                                 lanes=args.lanes, profile=args.profile, balancer=args.balancer,
                                 per_thread=args.per_thread)
                 r.update(variant=variant, threads=threads, round=round_, rate_limit=args.rate, balancer=args.balancer,
@@ -495,7 +502,7 @@ def summarise(results: list[dict]) -> dict:
                 row[variant]["cpu_ms_per_msg"] = {
                     proc: round(statistics.median(r["cpu_ms_per_msg"][proc] for r in runs), 3)
                     for proc in runs[0].get("cpu_ms_per_msg", {})}
-        for base, variants in (("s", QTP_VARIANTS), ("c", QTP_VARIANTS), ("L", ("S1", "S2")), ("S1", ("S2",))):
+        for base, variants in (("s", QTP_VARIANTS), ("c", QTP_VARIANTS), ("L", SHARED), ("S1", ("S2", "S2r"))):
             if base in row and row[base]["rate"]:
                 for variant in variants:
                     if variant in row:

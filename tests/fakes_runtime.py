@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -46,6 +45,7 @@ from qtp.wsrm.protocol import (
 )
 from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.runtime._answers import NOTHING, Answer, reply_addressing
+from qtp.wsrm.runtime._ids import new_identifier
 from qtp.wsrm.runtime._transport import Reply, wire
 from qtp.wsrm.store import MemoryStore, Store
 
@@ -83,6 +83,7 @@ class Request:
     url: str
     envelopes: list[Envelope]
     accept: str | None = None  # the Accept header (a poll's, naming the batch it takes)
+    slot: int | None = None  # the peer's slot put in the URL (?qtp-slot=)
 
     @property
     def messages(self) -> list[tuple[str, int]]:
@@ -107,12 +108,13 @@ class FakeTransport:
         self.lose_answer: Callable[[Request], bool] = lambda request: False
         self.requests: list[Request] = []
 
-    def post(self, url: str, data: bytes, soap: SoapVersion, action: str | None, accept: str | None = None) -> Reply:
-        return self._deliver(Request(url, [decode(data)], accept))
+    def post(self, url: str, data: bytes, soap: SoapVersion, action: str | None, accept: str | None = None,
+             slot: int | None = None) -> Reply:
+        return self._deliver(Request(url, [decode(data)], accept, slot))
 
-    def post_raw(self, url: str, data: bytes, content_type: str) -> Reply:
+    def post_raw(self, url: str, data: bytes, content_type: str, slot: int | None = None) -> Reply:
         assert content_type == BATCH_CONTENT_TYPE
-        return self._deliver(Request(url, [decode(part) for part in decode_batch(data, 10_000)]))
+        return self._deliver(Request(url, [decode(part) for part in decode_batch(data, 10_000)], slot=slot))
 
     def _deliver(self, request: Request) -> Reply:
         self.requests.append(request)
@@ -164,6 +166,7 @@ class FakePeer:
 
     batch: int | None = None
     acknowledge: bool = True
+    tag: str = ""  # a slot of a node whose replicas share the work (``<node>:s<k>``), named in its identifiers
     received: dict[str, list[int]] = field(default_factory=dict)
     created: list[CreateSequence] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)
@@ -173,7 +176,7 @@ class FakePeer:
         first = envelopes[0]
         body = first.body
         if isinstance(body, CreateSequence):
-            identifier = f"urn:uuid:{uuid.uuid4()}"
+            identifier = new_identifier(self.tag)
             self.created.append(body)
             self.received[identifier] = []
             batch = min(body.batch, self.batch) if body.batch and self.batch else None

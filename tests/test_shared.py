@@ -544,6 +544,7 @@ def test_a_forward_relays_retry_after_and_refuses_header_values_it_cannot_pass_o
     replica = SharedNode.__new__(SharedNode)  # only what a forward uses
     replica.node_id, replica.member, replica._unanswered = "s", "m", {}
     replica._forwarding, replica._links = threading.BoundedSemaphore(1), _Links(5.0, keep=1)
+    replica._forwarded, replica._forwarded_lock = [0, 0], threading.Lock()
     answered: list[tuple[str, list[tuple[str, str]]]] = []
     forward = lambda environ: b"".join(replica._forward(  # noqa: E731
         f"http://127.0.0.1:{server.server_address[1]}/rm", 1, environ, b"<x/>",
@@ -625,7 +626,7 @@ def test_replicas_behind_haproxy_keep_exactly_once_when_each_is_killed_in_turn(p
 
     client_app, server_app, pair, replicas, a, b, client = _replying_pair(pg_db, maria_db, tmp_path)
     applied = lambda: rows(server_app, "SELECT COUNT(*) FROM applied")[0][0]  # noqa: E731
-    balancer = Haproxy(replicas.urls("server"), pair.proxy_port, tmp_path / "haproxy").start()
+    balancer = Haproxy(replicas.urls("server"), pair.proxy_port, tmp_path / "haproxy", slots=2).start()
     try:
         _one_slot_each(a, b)
         client.start()
@@ -642,6 +643,41 @@ def test_replicas_behind_haproxy_keep_exactly_once_when_each_is_killed_in_turn(p
         wait_until(lambda: rows(client_app, "SELECT COUNT(*) FROM replies")[0][0] >= 600, 120, "every reply")
         answered = balancer.per_target()
         assert all(n > 0 for n in answered.values()) and len(answered) == 2, answered
+    finally:
+        for node in (client, a, b):
+            node.kill()
+        balancer.stop()
+    check_exactly_once(client_app, server_app, reply=True)
+
+
+def _forwarded(port: int) -> int:
+    """Requests the replica listening at ``port`` forwarded to another, by its /metrics."""
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(int(float(n)) for n in re.findall(r'^qtp_requests_forwarded_total\{slot="\d+"\} (\S+)$', text, re.M))
+
+
+def test_a_balancer_routing_by_slot_leaves_the_replicas_next_to_nothing_to_forward(pg_db, maria_db,
+                                                                                  tmp_path: Path) -> None:
+    """Round-robin sends half the requests to the replica that does not hold their slot, which forwards them
+    (a hop and 0.5 ms of CPU each). The client names the slot of each sequence in the URL (?qtp-slot=k, from
+    the identifier the server made) and HAProxy, checking /health?qtp-slot=k, sends it to the holder: only
+    requests that name no slot (the CreateSequences) may still be forwarded. Exactly once, as ever."""
+    from qtp.testing.balancer import Haproxy
+
+    client_app, server_app, pair, replicas, a, b, client = _replying_pair(pg_db, maria_db, tmp_path)
+    balancer = Haproxy(replicas.urls("server"), pair.proxy_port, tmp_path / "haproxy", slots=2).start()
+    try:
+        _one_slot_each(a, b)
+        slot_health = [requests.get(f"http://127.0.0.1:{replicas.ports[name]}/health?qtp-slot={k}", timeout=10)
+                       .status_code for name in ("server-a", "server-b") for k in (0, 1)]
+        assert sorted(slot_health) == [200, 200, 503, 503], slot_health  # each holds one slot, serves it only
+        time.sleep(1.5)  # HAProxy's checks (every 0.5 s) see who holds which slot
+        client.start()
+        wait_until(lambda: rows(server_app, "SELECT COUNT(*) FROM applied")[0][0] >= 600, 120, "every order")
+        wait_until(lambda: rows(client_app, "SELECT COUNT(*) FROM replies")[0][0] >= 600, 120, "every reply")
+        answered = sum(balancer.per_target().values())
+        forwarded = sum(_forwarded(replicas.ports[name]) for name in ("server-a", "server-b"))
+        assert answered > 300 and forwarded <= 8, (forwarded, answered)  # 4 lanes' CreateSequence, some resent
     finally:
         for node in (client, a, b):
             node.kill()

@@ -146,6 +146,25 @@ def test_a_batching_peer_gets_fewer_requests_than_messages():
     assert all(len(r.messages) <= 4 for r in carrying)
 
 
+def test_a_peer_slot_named_by_its_sequence_identifier_is_put_in_every_request_of_that_sequence():
+    """A peer whose replicas share the work names the slot in the identifiers it makes; the sender says it in
+    the URL (``?qtp-slot=k``), where the peer's balancer routes on it (a replica not holding the slot would
+    have to forward the request). The CreateSequence, before any identifier, names none; nor do the
+    requests of a sequence whose identifier names no slot."""
+    tagged = build(peer=FakePeer(batch=4, tag="orders:s3"))
+    tagged.enqueue(10)
+    tagged.tick()
+    seq = tagged.only()
+    assert tagged.peer.received[seq.identifier] == list(range(1, 11))
+    first, *rest = tagged.transport.requests
+    assert isinstance(first.envelopes[0].body, CreateSequence) and first.slot is None
+    assert rest and [r.slot for r in rest] == [3] * len(rest)
+    plain = build(peer=FakePeer(batch=4))
+    plain.enqueue(10)
+    plain.tick()
+    assert len(plain.transport.requests) > 1 and {r.slot for r in plain.transport.requests} == {None}
+
+
 def test_a_batch_is_cut_where_its_payloads_would_pass_the_request_size_limit():
     """Outside finding: batches were cut by count only, so payloads that each fit ([limits] max_request_bytes,
     checked by tx.send) went out together over the limit, were answered 413, and were sent so again for ever."""
@@ -153,7 +172,8 @@ def test_a_batch_is_cut_where_its_payloads_would_pass_the_request_size_limit():
     rig = build(limits=Limits(max_request_bytes=limit), peer=FakePeer(batch=50))
     sizes: list[int] = []
     post_raw = rig.transport.post_raw
-    rig.transport.post_raw = lambda url, data, content_type: (sizes.append(len(data)), post_raw(url, data, content_type))[1]
+    rig.transport.post_raw = lambda url, data, content_type, slot=None: (sizes.append(len(data)),
+                                                                         post_raw(url, data, content_type, slot))[1]
     with rig.store.local() as s:
         for k in range(7):
             rig.store.enqueue(s, Outgoing("out", f"urn:uuid:m{k}", ACTION, b"<i>" + b"x" * 25_000 + b"</i>",

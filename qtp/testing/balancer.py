@@ -12,7 +12,12 @@ machine about as much CPU as a qtp node does. ``Haproxy`` is the real thing, sta
   and so is a ``503`` (a takeover under way), with the request buffered for that;
 - each replica's ``GET /health`` every second: one that fails it twice (killed, not started yet) gets no
   requests until it answers 200 again;
-- one thread (``nbthread 1``): on a small machine it must not take cores from the processes measured.
+- one thread (``nbthread 1``): on a small machine it must not take cores from the processes measured;
+- with ``slots=N`` (the node's ``[lease] slots``), routing by slot: a request whose URL says
+  ``?qtp-slot=k`` (a qtp sender says so for a sequence of slot k; acknowledgements to a slot's AcksTo too)
+  goes to the replica that answers ``GET /health?qtp-slot=k`` with 200, i.e. holds slot k; it is checked
+  every ``slot_check_ms``. While none does (a takeover, a handover seen late), or for any other request,
+  round-robin as above; a replica that gets a request for a slot it does not hold forwards it, as always.
 
 ``Haproxy(["http://127.0.0.1:8001/rm", ...], port, folder).start()`` ... ``stop()``; ``per_target()`` gives
 the requests each replica answered (from HAProxy's statistics socket), ``pid`` its process for CPU figures.
@@ -29,6 +34,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from qtp.errors import ConfigurationError
+from qtp.wsrm.runtime._ids import SLOT_QUERY
 
 INSTALL_HINT = "install Debian's package haproxy (scripts/system-deps.sh does, as root)"
 
@@ -39,13 +45,18 @@ def haproxy_binary() -> str | None:
 
 
 class Haproxy:
-    def __init__(self, targets: list[str], port: int, folder: Path, *, timeout_s: float = 30.0):
+    def __init__(self, targets: list[str], port: int, folder: Path, *, timeout_s: float = 30.0, slots: int = 0,
+                 slot_check_ms: int = 500):
         binary = haproxy_binary()
         if binary is None:
             raise ConfigurationError(f"no haproxy on this machine: {INSTALL_HINT}")
         if not targets:
             raise ConfigurationError("a balancer needs at least one target")
+        if slots < 0 or slot_check_ms < 10:
+            raise ConfigurationError(f"slots is 0 (no routing by slot) or more, slot_check_ms 10 or more; got "
+                                     f"{slots}, {slot_check_ms}")
         self.binary, self.port, self.folder, self.timeout_s = binary, port, Path(folder), timeout_s
+        self.slots, self.slot_check_ms = slots, slot_check_ms
         self.targets = [urlsplit(url) for url in targets]
         for url in self.targets:
             if url.scheme != "http" or url.port is None:
@@ -75,6 +86,14 @@ class Haproxy:
         timeout_ms = int(self.timeout_s * 1000)
         servers = "\n".join(f"    server r{i} {url.hostname}:{url.port} check inter 1s fall 2 rise 1"
                             for i, url in enumerate(self.targets))
+        routes = "".join(f"    use_backend slot{k} if {{ url_param({SLOT_QUERY}) -m str {k} }} "
+                         f"{{ nbsrv(slot{k}) gt 0 }}\n" for k in range(self.slots))
+        inter = self.slot_check_ms
+        by_slot = "".join(
+            f"\nbackend slot{k}\n    option httpchk GET /health?{SLOT_QUERY}={k}\n"
+            + "".join(f"    server r{i} {url.hostname}:{url.port} check inter {inter}ms fall 1 rise 1\n"
+                      for i, url in enumerate(self.targets))
+            for k in range(self.slots))
         return f"""# written by qtp.testing.balancer: round-robin over a node's replicas
 global
     nbthread 1
@@ -96,13 +115,13 @@ defaults
 frontend node
     bind 127.0.0.1:{self.port}
     option http-buffer-request
-    default_backend replicas
+{routes}    default_backend replicas
 
 backend replicas
     balance roundrobin
     option httpchk GET /health
 {servers}
-"""
+{by_slot}"""
 
     def start(self) -> "Haproxy":
         # a Unix socket's path has at most 107 bytes: the statistics socket goes to a short folder of its own
@@ -162,8 +181,8 @@ backend replicas
         out: dict[str, int] = {}
         for line in lines[1:]:
             row = dict(zip(header, line.split(",")))
-            if row.get("pxname") == "replicas" and row.get("svname", "").startswith("r"):
-                index = int(row["svname"][1:])
-                answered = sum(int(row.get(f"hrsp_{k}xx") or 0) for k in range(1, 6))
-                out[self.targets[index].geturl()] = answered
+            proxy, server = row.get("pxname", ""), row.get("svname", "")
+            if (proxy == "replicas" or proxy.startswith("slot")) and server[:1] == "r" and server[1:].isdigit():
+                url = self.targets[int(server[1:])].geturl()
+                out[url] = out.get(url, 0) + sum(int(row.get(f"hrsp_{k}xx") or 0) for k in range(1, 6))
         return out

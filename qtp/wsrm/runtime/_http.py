@@ -25,7 +25,8 @@ threads running the WSGI application. The bounds, all in ``[limits]``:
   connections, ``malloc_trim`` hands the freed heap back to the system (glibc otherwise keeps it for the
   next allocation, for good).
 
-``GET /health`` is answered on the loop, without the pool: it says whether the node has started, and a
+``GET /health`` is answered on the loop, without the pool: it says whether the node has started (given the
+query: a replica of a node whose replicas share the work answers ``/health?qtp-slot=k`` for slot k), and a
 pool busy with slow handlers does not make a healthy node look dead.
 """
 
@@ -172,12 +173,13 @@ class _Refused(Exception):
 
 class HttpServer:
     """``HttpServer(app, host, port, limits, tls=context, health=callable).start()`` serves the WSGI ``app``
-    until ``stop()``. ``health()`` is True once the node has started, and its answer carries
+    until ``stop()``. ``health(query)`` is True once the node has started (``query``: the request's query
+string), and its answer carries
     ``health_headers`` too (the node's boot); ``refused(reason)`` is told of each connection closed by a
     limit: ``connections`` (the per-address cap) or ``deadline`` (handshake or request too slow)."""
 
     def __init__(self, app: Callable[..., Iterable[bytes]], host: str, port: int, limits: Any,
-                 tls: ssl.SSLContext | None = None, health: Callable[[], bool] | None = None,
+                 tls: ssl.SSLContext | None = None, health: Callable[[str], bool] | None = None,
                  refused: Callable[[str], None] = lambda reason: None,
                  health_headers: tuple[tuple[str, str], ...] = ()):
         self.app, self.host, self.port, self.limits, self.tls, self.health = app, host, port, limits, tls, health
@@ -396,8 +398,8 @@ class HttpServer:
         except _Refused as refused:
             return await self._refuse(writer, refused)
         if environ["PATH_INFO"] == "/health" and environ["REQUEST_METHOD"] == "GET" and self.health is not None:
-            started = self.health()
-            status, headers, chunks = _plain(200 if started else 503, "ok" if started else "starting")
+            started = self.health(environ.get("QUERY_STRING", ""))
+            status, headers, chunks = _plain(200 if started else 503, "ok" if started else "not serving")
             return await self._write(writer, status, headers + self.health_headers, chunks, keep, deadline)
         large = length > LARGE
         given = False

@@ -3,6 +3,7 @@ histogram)."""
 
 from __future__ import annotations
 
+import re
 import uuid
 
 _ENQUEUED_PREFIX = "urn:qtp:m:"
@@ -33,7 +34,16 @@ def new_identifier(tag: str = "") -> str:
 
 
 SLOT_QUERY = "qtp-slot"  # AcksTo of a shared node's slot: <endpoint>?qtp-slot=<k>
+_SLOT_OF = re.compile(r"^urn:qtp:.+:s(\d{1,9}):[0-9a-f]{8}-[0-9a-f-]{27}$")
 
 
 def slot_tag(node: str, slot: int) -> str:
     return f"{node}:s{slot}"
+
+
+def slot_of(identifier: str | None) -> int | None:
+    """The slot a sequence ``identifier`` of a node whose replicas share the work names (None: it names none).
+    A qtp sender puts it in the URL of the sequence's requests (``?qtp-slot=k``), where a balancer can route
+    on it to the replica holding the slot without reading the body (docs/operations.md, "The balancer")."""
+    found = _SLOT_OF.match(identifier) if identifier else None
+    return int(found.group(1)) if found is not None else None

@@ -405,7 +405,7 @@ class Node:
         security = self.settings.security
         tls = _tls_context(security) if security.tls_cert else None
         refused = self.metrics.refused
-        server = HttpServer(self.wsgi, host, port, self.limits, tls=tls, health=lambda: self.started,
+        server = HttpServer(self.wsgi, host, port, self.limits, tls=tls, health=lambda query: self.started,
                             refused=lambda reason: refused.labels(reason=reason).inc(),
                             health_headers=((BOOT_HEADER, self.wsgi.seen.boot),))
         if not security.anonymous_allowed(self.settings.listen_host()):

@@ -112,7 +112,7 @@ from qtp.wsrm.protocol import (
 )
 from qtp.wsrm.protocol import _ranges as ranges
 from qtp.wsrm.runtime._answers import read_answer
-from qtp.wsrm.runtime._ids import create_message_id, new_identifier
+from qtp.wsrm.runtime._ids import create_message_id, new_identifier, slot_of
 from qtp.wsrm.runtime._mailbox import Mailbox
 from qtp.wsrm.runtime._offers import Offers
 from qtp.wsrm.runtime._ownership import Ownership, Source
@@ -631,13 +631,15 @@ class Sender:
             for envelope in [envelopes] if isinstance(envelopes, Envelope) else envelopes:
                 self.mailbox.hold(info.owner, client, envelope, seq.key)
             return False
+        slot = slot_of(seq.identifier)  # a peer whose replicas share the work: its balancer routes on it
         try:
             if isinstance(envelopes, Envelope) or len(envelopes) == 1:
                 envelope = envelopes if isinstance(envelopes, Envelope) else envelopes[0]
-                reply = self.transport.post(info.peer, wire(envelope), envelope.soap, envelope.addressing.action)
+                reply = self.transport.post(info.peer, wire(envelope), envelope.soap, envelope.addressing.action,
+                                            slot=slot)
             else:
                 reply = self.transport.post_raw(info.peer, encode_batch([wire(e) for e in envelopes]),
-                                                BATCH_CONTENT_TYPE)
+                                                BATCH_CONTENT_TYPE, slot=slot)
         except TransportError as exc:
             log.debug("%s", exc)
             return False

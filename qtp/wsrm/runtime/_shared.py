@@ -25,6 +25,10 @@ holds more than its share (a replica joined), by closing that slot cleanly, so t
 - a MakeConnection poll without an identifier of ours goes to the slots in turn (each keeps its own replies);
 - anything else (a sequence made before the node had slots) to slot 0.
 
+A qtp peer sending in a sequence of slot k says so in the URL (``?qtp-slot=k``, from the identifier), and
+``GET /health?qtp-slot=k`` answers 200 only where slot k is held: a balancer that routes on both sends the
+request straight to the slot's replica (docs/operations.md, "The balancer"); the routing above still decides.
+
 A request for a slot this process holds goes to that slot's endpoint; for a slot another replica holds it is
 forwarded there (``X-Qtp-Forwarded``: never forwarded twice) and the answer relayed; for a slot nobody holds
 now (a takeover under way) it is answered 503, and the peer sends it again. Forwarding waits for at most
@@ -56,7 +60,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import sqlalchemy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 from qtp._failures import Failures
 from qtp.config import load_config
@@ -222,6 +226,8 @@ class SharedNode:
         self._forwarding = threading.BoundedSemaphore(forwards)
         self._links = _Links(self.limits.http_timeout, keep=forwards)
         self._unanswered: dict[str, float] = {}  # address -> when a failed forward to it was last logged
+        self._forwarded = [0] * self.slot_count  # requests this replica forwarded, per slot (/metrics)
+        self._forwarded_lock = threading.Lock()
         self._polls = itertools.count()
         self._tag = re.compile(rb"urn:qtp:" + re.escape(self.node_id.encode()) + rb":s(\d+):")
         # one boot and one memory of signatures for all this replica's slots; the other live replicas' boots are
@@ -305,7 +311,7 @@ class SharedNode:
             self._check_alone(conn, conn.exec_driver_sql(f"SELECT {self._now}").scalar())
         self.started = True
         host, port = self._listen
-        self._server = HttpServer(self, host, port, self.limits, health=lambda: self.started,
+        self._server = HttpServer(self, host, port, self.limits, health=self._healthy,
                                   health_headers=((BOOT_HEADER, self.seen.boot),))
         self._server.start()
         try:
@@ -320,6 +326,16 @@ class SharedNode:
         log.info("node %s: replica %s serving at %s (slots %s of %d)", self.node_id, self.member, self.address,
                  self.slots(), self.slot_count)
         return self
+
+    def _healthy(self, query: str) -> bool:
+        """``GET /health``: whether this replica has started; ``/health?qtp-slot=k``: whether it serves slot k
+        now, so that a balancer checking that sends slot k's requests here only while it holds the slot."""
+        if SLOT_QUERY not in query:
+            return self.started
+        slot = _number((parse_qs(query).get(SLOT_QUERY) or [""])[0])
+        with self._slots_lock:
+            node = self._slots.get(slot)
+        return node is not None and node.started
 
     def close(self) -> None:
         """Hand every slot back (each released cleanly: another replica takes it at once), stop serving."""
@@ -634,6 +650,8 @@ class SharedNode:
                  start_response: Callable[..., Any]) -> Iterable[bytes]:
         if not self._forwarding.acquire(blocking=False):
             return _busy(environ, start_response, "this replica is forwarding as much as it may now; retry")
+        with self._forwarded_lock:
+            self._forwarded[slot] += 1
         try:
             # the body is not read any more here: its room in max_body_memory goes to bodies being read, so two
             # replicas forwarding large bodies to each other do not wait on each other's room (the bodies waiting
@@ -672,8 +690,14 @@ class SharedNode:
                                                                  family.unit))
                 merged.samples += [sample._replace(labels={**sample.labels, "slot": str(node.slot)})
                                    for sample in family.samples]
+        forwarded = CounterMetricFamily("qtp_requests_forwarded", "Requests this replica passed to the replica "
+                                        "holding their slot (a balancer routing on ?qtp-slot= leaves few)",
+                                        labels=["slot"])
+        with self._forwarded_lock:
+            for slot, count in enumerate(self._forwarded):
+                forwarded.add_metric([str(slot)], count)
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Families(list(families.values())))
+        registry.register(_Families([*families.values(), forwarded]))
         return generate_latest(registry), CONTENT_TYPE_LATEST
 
     # ------------------------------------------------------------------ for status

@@ -19,6 +19,7 @@ from requests.adapters import HTTPAdapter
 
 from qtp.errors import TransportError
 from qtp.wsrm.codec import Envelope, SoapVersion, encode
+from qtp.wsrm.runtime._ids import SLOT_QUERY
 from qtp.wsrm.runtime._security import (
     HEADER,
     AuthenticationError,
@@ -110,29 +111,35 @@ class Transport:
             reraise=True,
         )
 
-    def post(self, url: str, body: bytes, soap: SoapVersion, action: str | None, accept: str | None = None) -> Reply:
-        """POST one SOAP envelope; ``accept``: the Accept header (a poll's, naming the batch it takes)."""
+    def post(self, url: str, body: bytes, soap: SoapVersion, action: str | None, accept: str | None = None,
+             slot: int | None = None) -> Reply:
+        """POST one SOAP envelope; ``accept``: the Accept header (a poll's, naming the batch it takes);
+        ``slot``: the slot of the peer's the sequence belongs to (qtp.wsrm.runtime._ids.slot_of), put in the URL
+        for the peer's balancer."""
         headers = {"Content-Type": content_type(soap, action)}
         if accept is not None:
             headers["Accept"] = accept
         if soap is SoapVersion.SOAP11:
             headers["SOAPAction"] = f'"{action or ""}"'
-        return self._post(url, body, headers)
+        return self._post(url, body, headers, slot)
 
-    def post_raw(self, url: str, body: bytes, media_type: str) -> Reply:
+    def post_raw(self, url: str, body: bytes, media_type: str, slot: int | None = None) -> Reply:
         """POST ``body`` as ``media_type`` (a qtp batch)."""
-        return self._post(url, body, {"Content-Type": media_type})
+        return self._post(url, body, {"Content-Type": media_type}, slot)
 
-    def _post(self, url: str, body: bytes, headers: dict[str, str]) -> Reply:
+    def _post(self, url: str, body: bytes, headers: dict[str, str], slot: int | None) -> Reply:
         peer = self.security.peer_for_url(url)
         signer = peer if peer is not None and peer.secret is not None else None
+        # the signature covers the path, not the query; the boot is the peer's (any replica's), kept per address
+        target = url if slot is None else f"{url}{'&' if '?' in url else '?'}{SLOT_QUERY}={slot}"
         try:
             boot = self._boots.get(url, "")
-            status, answer_headers, data, signature = self._retrying(self._send, url, body, headers, signer, boot)
+            status, answer_headers, data, signature = self._retrying(self._send, url, target, body, headers, signer,
+                                                                     boot)
             if signer is not None and status == 401 and self._boots.get(url, "") != boot:
                 boot = self._boots[url]  # the peer restarted (or we did): its boot, learnt from this 401
-                status, answer_headers, data, signature = self._retrying(self._send, url, body, headers, signer,
-                                                                         boot)
+                status, answer_headers, data, signature = self._retrying(self._send, url, target, body, headers,
+                                                                         signer, boot)
         except requests.RequestException as exc:
             raise TransportError(f"POST {url} failed: {type(exc).__name__}: {exc}") from exc
         if signer is not None and data.strip():
@@ -142,17 +149,18 @@ class Transport:
                 raise TransportError(f"POST {url}: {exc} (HTTP {status}); the answer is ignored") from None
         return Reply(status, answer_headers.get("Content-Type", ""), data)
 
-    def _send(self, url: str, body: bytes, headers: dict[str, str], signer: Peer | None,
+    def _send(self, url: str, target: str, body: bytes, headers: dict[str, str], signer: Peer | None,
               boot: str) -> tuple[int, Any, bytes, str]:
-        """One attempt, signed anew for ``signer``'s ``boot`` (the peer takes a signature once: an attempt
-        whose answer was lost after the peer read it must not be refused as its replay); the answer and the
-        signature. The boot the answer gives is remembered for the next request to ``url``."""
+        """One attempt at ``target`` (``url``, perhaps with a query), signed anew for ``signer``'s ``boot`` (the
+        peer takes a signature once: an attempt whose answer was lost after the peer read it must not be
+        refused as its replay); the answer and the signature. The boot the answer gives is remembered for the
+        next request to ``url``."""
         signature = ""
         if signer is not None:
             signature = sign_request(signer.secret or b"", self.name, signer.name, "POST", urlsplit(url).path, body,
                                      boot=boot)
             headers = {**headers, HEADER: signature}
-        with self.session.post(url, data=body, headers=headers, timeout=self.timeout, allow_redirects=False,
+        with self.session.post(target, data=body, headers=headers, timeout=self.timeout, allow_redirects=False,
                                stream=True) as response:
             if 300 <= response.status_code < 400:
                 raise requests.RequestException(f"the peer redirects (HTTP {response.status_code}); "
