@@ -25,6 +25,11 @@ def first_line(exc: BaseException | str | None) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def driver_first_line(exc: BaseException) -> str:
+    """The driver's own message when SQLAlchemy wraps one (``exc.orig``), first line, at most 200 characters."""
+    return first_line(getattr(exc, "orig", None) or exc)[:200]
+
+
 class Failures:
     def __init__(self, log: logging.Logger, what: str, every: float = 60.0, level: int = logging.WARNING,
                  clock: Callable[[], float] = time.monotonic):

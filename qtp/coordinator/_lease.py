@@ -64,7 +64,7 @@ from typing import Any, Callable
 import sqlalchemy
 from sqlalchemy import event
 
-from qtp._failures import Failures, first_line
+from qtp._failures import Failures, driver_first_line
 from qtp.config import LeaseSettings
 from qtp.errors import ConfigurationError, FencedError, LeaseHeldError
 
@@ -198,7 +198,7 @@ class Lease:
             try:
                 taken, holder, expires_in = self._try_take()
             except sqlalchemy.exc.SQLAlchemyError as exc:  # the database is down or a lock wait timed out
-                log.warning("node %s: lease not taken yet (%s); trying again", self.node_id, _first_line(exc))
+                log.warning("node %s: lease not taken yet (%s); trying again", self.node_id, driver_first_line(exc))
                 time.sleep(poll)
                 continue
             if taken:
@@ -222,7 +222,7 @@ class Lease:
                     raise
                 except sqlalchemy.exc.SQLAlchemyError as exc:
                     log.warning("node %s: fence of database %s not raised yet (%s); trying again", self.node_id,
-                                db.name, _first_line(exc))
+                                db.name, driver_first_line(exc))
                     time.sleep(poll)
         self.owner = True
         log.warning("node %s: this process (%s) took over node %s at epoch %d", self.node_id, self.member,
@@ -396,7 +396,7 @@ class Lease:
                     log.info("node %s: this process released the lease (epoch %d)", self.node_id, self.epoch)
             except sqlalchemy.exc.SQLAlchemyError as exc:
                 log.warning("node %s: lease not released (%s): a standby takes over when it expires", self.node_id,
-                            _first_line(exc))
+                            driver_first_line(exc))
         self.owner = False
         for db in self.databases:
             db.close()
@@ -459,6 +459,3 @@ def read_lease(url: Any, node_id: str) -> LeaseView | None:
                        "expires_in_s": round(exp - now, 3)} for m, role, e, seen, exp in members])
 
 
-def _first_line(exc: BaseException) -> str:
-    """The driver's own message when SQLAlchemy wraps one, first line, at most 200 characters."""
-    return first_line(getattr(exc, "orig", None) or exc)[:200]

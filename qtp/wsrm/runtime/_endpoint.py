@@ -79,6 +79,7 @@ class Receiving(Protocol):
     def handle_batch(self, envelopes: list[Envelope], caller: str | None = None) -> Any: ...
 
 log = logging.getLogger("qtp.wsrm.endpoint")
+CHALLENGE = [("WWW-Authenticate", 'QtpHmac realm="qtp"')]  # on each 401 for a request not signed as [peers] says
 
 _REASONS = {200: "200 OK", 202: "202 Accepted", 400: "400 Bad Request", 401: "401 Unauthorized",
             403: "403 Forbidden", 404: "404 Not Found", 405: "405 Method Not Allowed",
@@ -183,13 +184,13 @@ class Endpoint:
             log.info("refused a request from %s: %s", environ.get("REMOTE_ADDR", "?"), exc)
             self.metrics.refused.labels(reason="boot").inc()
             return _plain(start_response, 401, "signed for another start of this node: sign again naming the "
-                          "boot in X-Qtp-Boot", [("WWW-Authenticate", 'QtpHmac realm="qtp"')])
+                          "boot in X-Qtp-Boot", CHALLENGE)
         except AuthenticationError as exc:
             refusals.warn(log, "unauthenticated", "refused a request from %s: %s", environ.get("REMOTE_ADDR", "?"),
                           exc)
             self.metrics.refused.labels(reason="unauthenticated").inc()
             return _plain(start_response, 401, "not authenticated: sign requests as [peers] says, or present a "
-                          "client certificate this node knows", [("WWW-Authenticate", 'QtpHmac realm="qtp"')])
+                          "client certificate this node knows", CHALLENGE)
         media = (environ.get("CONTENT_TYPE") or "").split(";", 1)[0].strip().lower()
         if media == BATCH_CONTENT_TYPE:
             return self._signed(request, self._batch(data, request), start_response)

@@ -62,14 +62,13 @@ import sqlalchemy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
-from qtp._failures import Failures
+from qtp._failures import Failures, driver_first_line
 from qtp.config import load_config
 from qtp.coordinator._lease import (_NOW, FORGET_MEMBERS_S, LEASE_TABLE, MEMBER_TABLE, REPLICA_TABLE, lease_home,
                                    process_member)
 from qtp.coordinator._lease import DDL as LEASE_DDL
-from qtp.coordinator._lease import _first_line
 from qtp.errors import AuthenticationError, ConfigurationError, QtpError
-from qtp.wsrm.runtime._endpoint import Endpoint, _bare_fault, _plain
+from qtp.wsrm.runtime._endpoint import CHALLENGE, Endpoint, _bare_fault, _plain
 from qtp.wsrm.runtime._http import RELEASE_BODY, HttpServer
 from qtp.wsrm.runtime._ids import SLOT_QUERY
 from qtp.wsrm.runtime._node import Node, _listen_address
@@ -320,7 +319,7 @@ class SharedNode:
             self.close()
             raise
         except (sqlalchemy.exc.SQLAlchemyError, QtpError) as exc:
-            log.warning("node %s: slots not taken yet (%s); trying again", self.node_id, _first_line(exc))
+            log.warning("node %s: slots not taken yet (%s); trying again", self.node_id, driver_first_line(exc))
         self._thread = threading.Thread(target=self._balance_loop, name="qtp-slots", daemon=True)
         self._thread.start()
         log.info("node %s: replica %s serving at %s (slots %s of %d)", self.node_id, self.member, self.address,
@@ -351,7 +350,7 @@ class SharedNode:
                 conn.exec_driver_sql(f"DELETE FROM {REPLICA_TABLE} WHERE node_id = %s AND member = %s",
                                      (self.node_id, self.member))
         except sqlalchemy.exc.SQLAlchemyError as exc:
-            log.warning("node %s: replica row not removed (%s): it expires", self.node_id, _first_line(exc))
+            log.warning("node %s: replica row not removed (%s): it expires", self.node_id, driver_first_line(exc))
         if self._server is not None:
             self._server.stop()
         self.started = False
@@ -416,7 +415,7 @@ class SharedNode:
                     backoff = min(300.0, 3 * self.lease_settings.ttl * 2 ** (self._failures - 1))
                     self._unready_until = time.monotonic() + backoff
                     log.warning("node %s: this replica could not take a slot (%s); it counts itself out of the "
-                                "fair share for %.0f s", self.node_id, _first_line(exc), backoff)
+                                "fair share for %.0f s", self.node_id, driver_first_line(exc), backoff)
                     break
         elif len(mine) > fair:
             counts = {m: 0 for m in ready}
@@ -555,7 +554,7 @@ class SharedNode:
         refused = self._unsigned(environ, body)
         if refused is not None:
             return _plain(start_response, 401, f"not authenticated ({refused}): sign requests as [peers] says",
-                          [("WWW-Authenticate", 'QtpHmac realm="qtp"')])
+                          CHALLENGE)
         if environ.get("HTTP_X_QTP_FORWARDED"):
             return _busy(environ, start_response, f"slot {slot} is not held here (any more); retry")
         address = self._holders.get(slot)
@@ -605,7 +604,7 @@ class SharedNode:
             try:
                 return self._slot_for_create(found.group(1).decode("utf-8", "replace")[:255])
             except sqlalchemy.exc.SQLAlchemyError as exc:  # the lease database is down: a slot by the hash
-                log.info("node %s: CreateSequence routed by its hash (%s)", self.node_id, _first_line(exc))
+                log.info("node %s: CreateSequence routed by its hash (%s)", self.node_id, driver_first_line(exc))
                 return zlib.crc32(found.group(1)) % self.slot_count
         if b"MakeConnection" in body:
             return next(self._polls) % self.slot_count
@@ -670,10 +669,10 @@ class SharedNode:
                     self._unanswered[address] = now
                     log.warning("node %s: slot %d's replica at %s did not answer a forward (%s); requests for "
                                 "the slot are answered 503 (said once a minute per address: is it down, or is "
-                                "its [lease] address wrong?)", self.node_id, slot, address, _first_line(exc))
+                                "its [lease] address wrong?)", self.node_id, slot, address, driver_first_line(exc))
                 return _busy(environ, start_response, f"slot {slot}'s replica did not answer; retry")
             except ValueError as exc:  # a header http.client will not send (the server refuses CR, LF, NUL first)
-                return _plain(start_response, 400, f"not forwarded: {_first_line(exc)}")
+                return _plain(start_response, 400, f"not forwarded: {driver_first_line(exc)}")
         finally:
             self._forwarding.release()
         passed = [(k, v) for k, v in answer_headers if k.lower() in _RELAYED]
