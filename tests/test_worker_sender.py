@@ -33,7 +33,7 @@ from qtp.wsrm.runtime._offers import Offers, offer_route
 from qtp.wsrm.runtime._ownership import Ownership
 from qtp.wsrm.runtime._ports import Wake
 from qtp.wsrm.runtime._receiver import Receiver
-from qtp.wsrm.runtime._security import Security
+from qtp.wsrm.runtime._security import Peer, Security
 from qtp.wsrm.runtime._sender import FILL_INTERVAL_S, Sender
 from qtp.wsrm.runtime._sequences import Destinations, Inbound, Outbound, Sources
 from qtp.wsrm.runtime._settings import ChannelSettings, Limits
@@ -91,13 +91,14 @@ class Rig:
 
 
 def build(limits: Limits | None = None, peer: FakePeer | None = None, reply: bool = False, batch: bool = True,
-          lanes: int = 1, latency: float = 0.0, store: RecordingStore | None = None, run=inline) -> Rig:
+          lanes: int = 1, latency: float = 0.0, store: RecordingStore | None = None, run=inline,
+          security: Security | None = None) -> Rig:
     """``store``: the store of a node that ran before (a restart); ``run``: how work leaves the tick (at
     once, on the caller's thread, by default)."""
     limits = limits or Limits()
     clock, store, peer = FakeClock(), store or RecordingStore(), peer or FakePeer()
     channels = {"out": ChannelSettings("out", peer=PEER, mode="memory", reply=reply, batch=batch, lanes=lanes)}
-    sources, destinations, wake, security = Sources(), Destinations(), Wake(), Security()
+    sources, destinations, wake, security = Sources(), Destinations(), Wake(), security or Security()
     metrics = Metrics("n1", destinations.open_count, lambda: 0)
     offers = Offers(store, sources, destinations, limits, security.peer_for_url, wake, clock)
     transport = FakeTransport(peer, clock, latency)
@@ -400,6 +401,32 @@ def test_after_a_restart_what_was_numbered_and_not_acknowledged_is_read_back_fro
     assert [(e.sequence.number, e.addressing.message_id) for e in sent] == list(enumerate(ids, start=1))
     after.tick()
     assert after.store.read("backlog") == 0
+
+
+def test_after_a_restart_the_replies_to_a_peer_the_configuration_moved_go_to_its_endpoint_now():
+    """Outside finding: a request-reply client moved behind a balancer (its [node] endpoint, and the server's
+    [peers.<name>] endpoint, changed) never got the replies of its older sequences: they went on to the address
+    its Offer had given, where nothing took them (and the server would not sign for an address that is not the
+    peer's). After the server's restart with the new file they go to the peer's endpoint; a peer that may still
+    name the old address (allow_addresses) keeps it."""
+    old, new = "http://127.0.0.1:21020/rm", "http://127.0.0.1:21040/rm"
+    soap, wsa = SoapVersion.SOAP12.value, WsaVersion.WSA200508.value
+
+    def replies_sent_to(security: Security) -> set[str]:
+        before = build()
+        identifier = f"urn:uuid:{uuid.uuid4()}"
+        with before.store.local() as s:
+            before.offers.accept(s, identifier, old, RMVersion.WSRM11, soap, wsa, owner="cli")
+        before.enqueue(2, route=offer_route(identifier), wake=False)
+        after = build(store=before.store, security=security)  # the server started again with the new file
+        after.sender.load()
+        after.tick()
+        assert sorted(n for r in after.transport.requests for _, n in r.messages) == [1, 2]
+        return {r.url for r in after.transport.requests}
+
+    assert replies_sent_to(Security(peers={"cli": Peer("cli", endpoint=new)})) == {new}
+    assert replies_sent_to(Security(peers={"cli": Peer("cli", endpoint=new, allow_addresses=(old,))})) == {old}
+    assert replies_sent_to(Security()) == {old}  # a peer not configured: the address its offer gave
 
 
 # ---------------------------------------------------------------------- offers

@@ -182,6 +182,8 @@ class Sender:
                 channel = self.channels.get(channel_name(info.route))
                 if channel is not None and channel.peer != info.peer:
                     info = replace(info, peer=channel.peer)  # the configuration moved the peer
+                elif info.route.startswith("offer:"):
+                    info = self._moved(info)
                 if info.route.startswith("offer:") and record.expires_at is not None:
                     # its peer could not reach us while we were down
                     fresh = max(record.expires_at, self.clock.time() + self.limits.offer_inactivity_timeout)
@@ -189,6 +191,20 @@ class Sender:
                 self.sources.add(Outbound(info, record, self.limits), current=record.state in _LIVE)
         if len(self.sources):
             log.info("resumed %d outbound sequence(s)", len(self.sources))
+
+    def _moved(self, info: SourceInfo) -> SourceInfo:
+        """A sequence a peer offered for its replies goes where the peer's Offer (or its request) said when it
+        was made. When the configuration has moved that peer since (``[peers.<name>] endpoint``: the peer now
+        listens behind another address, e.g. a balancer in front of its replicas) and the peer may not name the
+        old address any more, its replies go to its endpoint now: at the old one nobody may be listening, or
+        nobody who takes our signature for it."""
+        peer = self.security.peers.get(info.owner) if info.owner is not None else None
+        if peer is None or peer.endpoint is None or mc_id(info.peer) is not None or peer.may_name(info.peer):
+            return info
+        log.warning("replies of sequence %s go to peer %s's endpoint %s now: the address its offer gave (%s) is "
+                    "not one of the peer's any more", info.route[len("offer:"):], peer.name, peer.endpoint,
+                    info.peer[:200])
+        return replace(info, peer=peer.endpoint)
 
     # ------------------------------------------------------------------ the periodic work
 
