@@ -174,9 +174,9 @@ class _Refused(Exception):
 class HttpServer:
     """``HttpServer(app, host, port, limits, tls=context, health=callable).start()`` serves the WSGI ``app``
     until ``stop()``. ``health(query)`` is True once the node has started (``query``: the request's query
-string), and its answer carries
-    ``health_headers`` too (the node's boot); ``refused(reason)`` is told of each connection closed by a
-    limit: ``connections`` (the per-address cap) or ``deadline`` (handshake or request too slow)."""
+    string), and its answer carries ``health_headers`` too (the node's boot); ``refused(reason)`` is told of
+    each connection closed by a limit: ``connections`` (the per-address cap) or ``deadline`` (handshake or
+    request too slow)."""
 
     def __init__(self, app: Callable[..., Iterable[bytes]], host: str, port: int, limits: Any,
                  tls: ssl.SSLContext | None = None, health: Callable[[str], bool] | None = None,
