@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", default="1,16")
     parser.add_argument("--variants", default="a,b,r,s,c",
-                        help="a, A, L, R, S1, S2, b, r, p, d (qtp), s (strong), c (serial); see above")
+                        help="a, A, L, R, S1, S2, S2r, b, r, p, d (qtp), s (strong), c (serial); see above")
     parser.add_argument("--rate", type=float, default=None, help="pace the senders at this many messages/s")
     parser.add_argument("--batch-handler", action="store_true", help="the qtp server applies with a batch handler")
     parser.add_argument("--lanes", type=int, default=1,
